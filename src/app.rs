@@ -1,0 +1,232 @@
+//! The composition root: builds the engine, limiter and servers from validated
+//! settings, runs the background loops (rules reload, expiry sweep) under one
+//! stop signal, and shuts down in order: NOT_SERVING first, then stop
+//! accepting, then drain in-flight calls under the grace timeout.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::{Engine, MemoryEngine};
+use crate::grpc::{RlsService, HEALTH_NAMES};
+use crate::http::{self, Health, HttpState, ReloadStatus};
+use crate::limiter::{Limiter, RulesHandle};
+use crate::rules::{self, RuleErrors, RuleSet};
+use crate::settings::Settings;
+
+/// Everything that can fail before a port is bound: settings and rules.
+pub struct Prepared {
+    pub settings: Settings,
+    pub rules: RuleSet,
+}
+
+/// Validates settings and loads the rules; errors here mean "exit non-zero
+/// without binding anything".
+pub fn prepare(settings: Settings) -> anyhow::Result<Prepared> {
+    settings.validate()?;
+    let rules = rules::load_paths(&settings.rules, settings.load_options())
+        .map_err(|e: RuleErrors| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    Ok(Prepared { settings, rules })
+}
+
+/// Runs the server on already-bound listeners until `shutdown` resolves.
+pub async fn run(
+    prepared: Prepared,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let Prepared { settings, rules } = prepared;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let memory = Arc::new(MemoryEngine::new(clock.clone()));
+    let engine: Arc<dyn Engine> = memory.clone();
+
+    let reload = Arc::new(ReloadStatus::default());
+    reload.loaded_at_ms.store(clock.now_ms(), Ordering::Relaxed);
+    reload.successes.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(hash = %rules.hash, files = rules.files.len(), domains = rules.domains.len(), "rules loaded");
+    let handle: RulesHandle = Arc::new(ArcSwap::from_pointee(rules));
+    let limiter = Arc::new(Limiter::new(handle.clone(), engine, settings.decision()));
+    let health = Arc::new(Health::default());
+    health.set_rules_loaded();
+    let replica_id: Arc<str> = Arc::from(format!(
+        "{}:{}",
+        hostname(),
+        grpc_listener.local_addr()?.port()
+    ));
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    for name in HEALTH_NAMES {
+        health_reporter
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building reflection v1")?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building reflection v1alpha")?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(reload_loop(
+        settings.clone(),
+        handle.clone(),
+        reload.clone(),
+        stop_rx.clone(),
+    ));
+    tasks.spawn(sweep_loop(
+        memory.clone(),
+        Duration::from_millis(settings.sweep_interval_ms),
+        stop_rx.clone(),
+    ));
+
+    let rls = RlsService::new(limiter.clone(), settings.bounds()).into_server();
+    let grpc_stop = stopped(stop_rx.clone());
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(rls)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), grpc_stop);
+    let router = http::router(HttpState {
+        limiter,
+        bounds: settings.bounds(),
+        health: health.clone(),
+        reload,
+        replica_id,
+    });
+    let http_stop = stopped(stop_rx.clone());
+    let http = axum::serve(http_listener, router).with_graceful_shutdown(http_stop);
+    let mut grpc = tokio::spawn(grpc);
+    let mut http = tokio::spawn(async move { http.await });
+
+    tokio::select! {
+        () = shutdown => {}
+        r = &mut grpc => anyhow::bail!("gRPC server stopped unexpectedly: {r:?}"),
+        r = &mut http => anyhow::bail!("HTTP server stopped unexpectedly: {r:?}"),
+    }
+
+    tracing::info!("shutting down: reporting NOT_SERVING");
+    health.set_draining();
+    for name in HEALTH_NAMES {
+        health_reporter
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(settings.shutdown_delay_ms)).await;
+    let _ = stop_tx.send(true);
+    let grace = Duration::from_millis(settings.shutdown_grace_ms);
+    let drained = tokio::time::timeout(grace, async {
+        let _ = (&mut grpc).await;
+        let _ = (&mut http).await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            grace_ms = settings.shutdown_grace_ms,
+            "in-flight calls did not finish within the grace period"
+        );
+        grpc.abort();
+        http.abort();
+    }
+    tasks.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|s| s.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Polls the rules paths; a changed fingerprint triggers a full load. A good
+/// load is swapped in atomically; a bad one keeps the old rules and is
+/// recorded for /rules.
+async fn reload_loop(
+    settings: Settings,
+    handle: RulesHandle,
+    status: Arc<ReloadStatus>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seen = handle.load().hash.clone();
+    let mut tick = tokio::time::interval(Duration::from_millis(settings.rules_poll_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let paths = settings.rules.clone();
+        let opts = settings.load_options();
+        let fingerprint =
+            match tokio::task::spawn_blocking(move || rules::fingerprint(&paths)).await {
+                Ok(f) => f,
+                Err(_) => continue,
+            };
+        if fingerprint == seen {
+            continue;
+        }
+        seen = fingerprint;
+        let paths = settings.rules.clone();
+        let loaded = tokio::task::spawn_blocking(move || rules::load_paths(&paths, opts)).await;
+        match loaded {
+            Ok(Ok(set)) => {
+                tracing::info!(hash = %set.hash, domains = set.domains.len(), "rules reloaded");
+                seen = set.hash.clone();
+                handle.store(Arc::new(set));
+                status.successes.fetch_add(1, Ordering::Relaxed);
+                status
+                    .loaded_at_ms
+                    .store(SystemClock.now_ms(), Ordering::Relaxed);
+                *status.last_error.lock() = None;
+            }
+            Ok(Err(errors)) => {
+                tracing::error!(errors = %errors, "rules reload failed; keeping the previous rules");
+                status.failures.fetch_add(1, Ordering::Relaxed);
+                *status.last_error.lock() = Some(errors.to_string());
+            }
+            Err(e) => tracing::error!(error = %e, "rules reload task failed"),
+        }
+    }
+}
+
+async fn sweep_loop(memory: Arc<MemoryEngine>, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let removed = memory.sweep(memory.clock().now_ms());
+        if removed > 0 {
+            tracing::debug!(removed, "expired counters dropped");
+        }
+    }
+}

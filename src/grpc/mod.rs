@@ -1,0 +1,124 @@
+//! The gRPC surface: RateLimitService (proto ↔ domain translation only),
+//! grpc.health.v1 and reflection (v1 and v1alpha). The only module that knows
+//! tonic types besides the client commands.
+//!
+//! Status codes: bad input is INVALID_ARGUMENT with a message. An engine
+//! failure is UNAVAILABLE; with Envoy's `failure_mode_deny: false` (its
+//! default) the request is let through, with `true` it is denied. The
+//! resilient engine decides locally instead of failing, so in normal
+//! operation no Redis fault reaches this layer.
+
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+
+use crate::limiter::{self, Code, Limiter};
+use crate::proto::envoy::config::core::v3::HeaderValue;
+use crate::proto::rls::rate_limit_response::{
+    rate_limit::Unit as ProtoUnit, Code as ProtoCode, DescriptorStatus, RateLimit,
+};
+use crate::proto::rls::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
+use crate::proto::rls::{RateLimitRequest, RateLimitResponse};
+
+pub use validate::{Bounds, ValidationError};
+
+/// The health service names leasehold answers for: the overall server (""),
+/// the reference's name, and the RLS service itself.
+pub const HEALTH_NAMES: [&str; 3] = [
+    "",
+    "ratelimit",
+    "envoy.service.ratelimit.v3.RateLimitService",
+];
+
+pub struct RlsService {
+    limiter: Arc<Limiter>,
+    bounds: Bounds,
+}
+
+impl RlsService {
+    pub fn new(limiter: Arc<Limiter>, bounds: Bounds) -> Self {
+        RlsService { limiter, bounds }
+    }
+
+    pub fn into_server(self) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RlsService {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let req = validate::to_domain(request.into_inner(), &self.bounds)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let decision = self
+            .limiter
+            .decide(&req)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(to_proto(decision)))
+    }
+}
+
+pub fn proto_unit(unit: crate::limit::Unit) -> ProtoUnit {
+    use crate::limit::Unit;
+    match unit {
+        Unit::Second => ProtoUnit::Second,
+        Unit::Minute => ProtoUnit::Minute,
+        Unit::Hour => ProtoUnit::Hour,
+        Unit::Day => ProtoUnit::Day,
+        Unit::Week => ProtoUnit::Week,
+        Unit::Month => ProtoUnit::Month,
+        Unit::Year => ProtoUnit::Year,
+    }
+}
+
+fn proto_code(code: Code) -> ProtoCode {
+    match code {
+        Code::Ok => ProtoCode::Ok,
+        Code::OverLimit => ProtoCode::OverLimit,
+    }
+}
+
+/// Domain decision → RateLimitResponse.
+pub fn to_proto(decision: limiter::Decision) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: proto_code(decision.overall) as i32,
+        statuses: decision
+            .statuses
+            .into_iter()
+            .map(|s| DescriptorStatus {
+                code: proto_code(s.code) as i32,
+                current_limit: s.current_limit.map(|l| RateLimit {
+                    name: l.name,
+                    requests_per_unit: l.requests_per_unit,
+                    unit: proto_unit(l.unit) as i32,
+                }),
+                limit_remaining: s.limit_remaining,
+                duration_until_reset: s.reset_ms.map(|ms| {
+                    let d = Duration::from_millis(ms);
+                    prost_types::Duration {
+                        seconds: d.as_secs() as i64,
+                        nanos: d.subsec_nanos() as i32,
+                    }
+                }),
+                quota: None,
+            })
+            .collect(),
+        response_headers_to_add: decision
+            .headers
+            .into_iter()
+            .map(|(key, value)| HeaderValue {
+                key,
+                value,
+                raw_value: Vec::new(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,25 @@
+//! leasehold: an Envoy RLS v3 rate-limit decision server that keeps limiting
+//! correctly when its shared Redis is slow, down or partitioned away.
+//!
+//! Layout (dependencies point down):
+//!
+//! - [`grpc`], [`http`]: transports. Translate proto/JSON ↔ domain types.
+//! - [`limiter`]: matches descriptors to rules, builds one batch of charges,
+//!   turns the engine's outcome into statuses and headers.
+//! - [`engine`]: the [`engine::Engine`] trait and its implementations.
+//! - [`rules`]: envoyproxy/ratelimit YAML → validated tree; matching.
+//! - [`limit`]: pure algorithm math with `now` passed in.
+//! - [`app`]: the composition root; [`settings`]: typed settings;
+//!   [`cli`]: the `query` and `bench` client commands; [`clock`]: time.
+
+pub mod app;
+pub mod cli;
+pub mod clock;
+pub mod engine;
+pub mod grpc;
+pub mod http;
+pub mod limit;
+pub mod limiter;
+pub mod proto;
+pub mod rules;
+pub mod settings;

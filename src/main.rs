@@ -1,0 +1,96 @@
+//! The `leasehold` binary: parse the command line, load and validate settings
+//! and rules before binding any port, set up logging, run, map the outcome to
+//! an exit code.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use leasehold::cli::{self, Cli, Command};
+use tokio::net::TcpListener;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve(args).await,
+            Command::Check(args) => check(args),
+            Command::Query(args) => cli::query::run(args).await,
+            Command::Bench(args) => cli::bench::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check(args: cli::CheckArgs) -> anyhow::Result<()> {
+    let opts = leasehold::rules::LoadOptions {
+        merge_domains: args.merge_domains,
+    };
+    match leasehold::rules::load_paths(&args.paths, opts) {
+        Ok(set) => {
+            let rules: usize = set.domains.values().map(|d| d.rules.len()).sum();
+            println!(
+                "ok: {} file(s), {} domain(s), {} rule(s), hash {}",
+                set.files.len(),
+                set.domains.len(),
+                rules,
+                set.hash
+            );
+            Ok(())
+        }
+        Err(errors) => anyhow::bail!("invalid rules:\n{errors}"),
+    }
+}
+
+fn init_logging(level: &str, format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
+    let settings = args.settings(std::env::vars())?;
+    init_logging(&settings.log_level, &settings.log_format);
+    let prepared = leasehold::app::prepare(settings)?;
+    let grpc = TcpListener::bind(prepared.settings.grpc_addr).await?;
+    let http = TcpListener::bind(prepared.settings.http_addr).await?;
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
+    leasehold::app::run(prepared, grpc, http, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! Generated Envoy RLS v3 types and the encoded descriptor set for reflection.
+#![allow(clippy::all, missing_docs)]
+
+pub mod envoy {
+    pub mod config {
+        pub mod core {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.core.v3");
+            }
+        }
+    }
+    pub mod r#type {
+        pub mod v3 {
+            // prost names the file after the escaped module path.
+            include!(concat!(env!("OUT_DIR"), "/envoy.r#type.v3.rs"));
+        }
+    }
+    pub mod extensions {
+        pub mod common {
+            pub mod ratelimit {
+                pub mod v3 {
+                    tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                }
+            }
+        }
+    }
+    pub mod service {
+        pub mod ratelimit {
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.ratelimit.v3");
+            }
+        }
+    }
+}
+
+pub use envoy::extensions::common::ratelimit::v3 as common;
+pub use envoy::service::ratelimit::v3 as rls;
+
+/// The file descriptor set of the protos above (imports included), served by
+/// gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rls_descriptor");

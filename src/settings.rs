@@ -1,0 +1,246 @@
+//! Typed settings: defaults < settings file < `LEASEHOLD_*` environment <
+//! command-line flags. Validated before any port is bound.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::grpc::Bounds;
+use crate::limiter::DecisionSettings;
+use crate::rules::LoadOptions;
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Rules files or directories (envoyproxy/ratelimit YAML).
+    pub rules: Vec<PathBuf>,
+    /// gRPC listen address (RateLimitService, health, reflection).
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address (/healthz, /readyz, /rules, /status, /json).
+    pub http_addr: SocketAddr,
+    /// How often the rules path is checked for changes, in milliseconds.
+    pub rules_poll_interval_ms: u64,
+    /// Merge files that declare the same domain (MERGE_DOMAIN_CONFIG).
+    pub merge_domains: bool,
+    /// Global shadow mode: count everything, always answer OK overall (SHADOW_MODE).
+    pub shadow_mode: bool,
+    /// Treat every rule as quota_mode (QUOTA_MODE).
+    pub quota_mode: bool,
+    /// Add RateLimit-Limit/-Remaining/-Reset to responses (LIMIT_RESPONSE_HEADERS_ENABLED).
+    pub response_headers: bool,
+    pub header_limit: String,
+    pub header_remaining: String,
+    pub header_reset: String,
+    /// Request bounds: descriptors per request.
+    pub max_descriptors: usize,
+    /// Request bounds: entries per descriptor.
+    pub max_entries: usize,
+    /// Request bounds: bytes in a domain, key or value.
+    pub max_entry_bytes: usize,
+    /// How long in-flight calls may take to finish after SIGTERM, in milliseconds.
+    pub shutdown_grace_ms: u64,
+    /// How long to report NOT_SERVING before closing listeners, so balancers
+    /// stop sending new calls first, in milliseconds.
+    pub shutdown_delay_ms: u64,
+    /// How often expired in-memory counters are dropped, in milliseconds.
+    pub sweep_interval_ms: u64,
+    /// Log filter (tracing EnvFilter syntax), e.g. "info" or "leasehold=debug".
+    pub log_level: String,
+    /// "text" or "json".
+    pub log_format: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let d = DecisionSettings::default();
+        let b = Bounds::default();
+        Settings {
+            rules: Vec::new(),
+            grpc_addr: SocketAddr::from(([0, 0, 0, 0], 8081)),
+            http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            rules_poll_interval_ms: 1_000,
+            merge_domains: false,
+            shadow_mode: false,
+            quota_mode: false,
+            response_headers: false,
+            header_limit: d.header_limit,
+            header_remaining: d.header_remaining,
+            header_reset: d.header_reset,
+            max_descriptors: b.max_descriptors,
+            max_entries: b.max_entries,
+            max_entry_bytes: b.max_entry_bytes,
+            shutdown_grace_ms: 10_000,
+            shutdown_delay_ms: 0,
+            sweep_interval_ms: 5_000,
+            log_level: "info".into(),
+            log_format: "text".into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("settings: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("invalid setting {key}: {why}")]
+    Invalid { key: &'static str, why: String },
+}
+
+fn invalid(key: &'static str, why: impl Into<String>) -> SettingsError {
+    SettingsError::Invalid {
+        key,
+        why: why.into(),
+    }
+}
+
+impl Settings {
+    /// Defaults, then the settings file (if any), then `LEASEHOLD_*`
+    /// variables from `env`. Flags are applied by the caller afterwards.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, SettingsError> {
+        let mut builder = config::Config::builder();
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::from(path).required(true));
+        }
+        let vars: config::Map<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("LEASEHOLD_"))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("LEASEHOLD")
+                .prefix_separator("_")
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("rules")
+                .source(Some(vars)),
+        );
+        Ok(builder.build()?.try_deserialize()?)
+    }
+
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        if self.rules.is_empty() {
+            return Err(invalid(
+                "rules",
+                "at least one rules file or directory is required (--rules PATH)",
+            ));
+        }
+        for (key, v) in [
+            ("rules_poll_interval_ms", self.rules_poll_interval_ms),
+            ("sweep_interval_ms", self.sweep_interval_ms),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        for (key, v) in [
+            ("max_descriptors", self.max_descriptors),
+            ("max_entries", self.max_entries),
+            ("max_entry_bytes", self.max_entry_bytes),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        for (key, v) in [
+            ("header_limit", &self.header_limit),
+            ("header_remaining", &self.header_remaining),
+            ("header_reset", &self.header_reset),
+        ] {
+            if v.is_empty()
+                || !v
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
+                return Err(invalid(key, format!("'{v}' is not a valid header name")));
+            }
+        }
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            return Err(invalid(
+                "log_format",
+                format!("'{}' is not text or json", self.log_format),
+            ));
+        }
+        if self.grpc_addr == self.http_addr && self.grpc_addr.port() != 0 {
+            return Err(invalid("http_addr", "must differ from grpc_addr"));
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.log_level)
+            .map_err(|e| invalid("log_level", format!("'{}': {e}", self.log_level)))?;
+        Ok(())
+    }
+
+    pub fn decision(&self) -> DecisionSettings {
+        DecisionSettings {
+            global_shadow_mode: self.shadow_mode,
+            global_quota_mode: self.quota_mode,
+            response_headers: self.response_headers,
+            header_limit: self.header_limit.clone(),
+            header_remaining: self.header_remaining.clone(),
+            header_reset: self.header_reset.clone(),
+        }
+    }
+
+    pub fn bounds(&self) -> Bounds {
+        Bounds {
+            max_descriptors: self.max_descriptors,
+            max_entries: self.max_entries,
+            max_entry_bytes: self.max_entry_bytes,
+        }
+    }
+
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions {
+            merge_domains: self.merge_domains,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_file_and_defaults() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("s.toml");
+        std::fs::write(
+            &file,
+            "grpc_addr = \"127.0.0.1:9001\"\nshadow_mode = true\nrules = [\"a.yaml\"]\n",
+        )
+        .expect("write");
+        let env = vec![
+            (
+                "LEASEHOLD_GRPC_ADDR".to_string(),
+                "127.0.0.1:9002".to_string(),
+            ),
+            ("LEASEHOLD_RULES".to_string(), "x.yaml,y".to_string()),
+            ("OTHER".to_string(), "1".to_string()),
+        ];
+        let s = Settings::load(Some(&file), env).expect("load");
+        assert_eq!(s.grpc_addr, "127.0.0.1:9002".parse().expect("addr"));
+        assert!(s.shadow_mode);
+        assert_eq!(s.rules, vec![PathBuf::from("x.yaml"), PathBuf::from("y")]);
+        assert_eq!(s.http_addr, Settings::default().http_addr);
+    }
+
+    #[test]
+    fn unknown_and_invalid_settings_are_errors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("s.toml");
+        std::fs::write(&file, "grpc_adr = \"127.0.0.1:9001\"\n").expect("write");
+        let e = Settings::load(Some(&file), Vec::new()).expect_err("unknown key");
+        assert!(e.to_string().contains("grpc_adr"), "{e}");
+        let s = Settings {
+            rules: vec!["r".into()],
+            log_format: "xml".into(),
+            ..Settings::default()
+        };
+        assert!(s
+            .validate()
+            .expect_err("bad format")
+            .to_string()
+            .contains("log_format"));
+    }
+}
