@@ -15,6 +15,7 @@
 pub mod app;
 pub mod cli;
 pub mod clock;
+pub mod deploy;
 pub mod engine;
 pub mod grpc;
 pub mod http;

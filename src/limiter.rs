@@ -323,7 +323,7 @@ impl Limiter {
         let pick = statuses
             .iter()
             .filter(|s| s.current_limit.is_some())
-            .min_by_key(|s| (!(s.code == Code::OverLimit && !s.quota), s.limit_remaining));
+            .min_by_key(|s| (s.code != Code::OverLimit || s.quota, s.limit_remaining));
         let Some(s) = pick else { return Vec::new() };
         let Some(limit) = &s.current_limit else {
             return Vec::new();

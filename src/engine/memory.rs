@@ -6,7 +6,6 @@
 //! application calls periodically; the engine spawns nothing itself.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -42,9 +41,7 @@ impl MemoryEngine {
     }
 
     fn shard_of(&self, key: &CounterKey) -> usize {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        (h.finish() as usize) % SHARDS
+        (self.hasher.hash_one(key) as usize) % SHARDS
     }
 
     /// Applies a batch at `now_ms`. Synchronous and lock-bounded: it never
@@ -109,15 +106,7 @@ impl MemoryEngine {
         }
         let items = results
             .iter()
-            .map(|o| ItemOutcome {
-                over: o.over,
-                remaining: if denied {
-                    o.remaining_now
-                } else {
-                    o.remaining_after
-                },
-                reset_ms: o.reset_ms,
-            })
+            .map(|o| ItemOutcome::reported(o, denied))
             .collect();
         BatchOutcome {
             items,

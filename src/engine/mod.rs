@@ -92,6 +92,24 @@ pub struct ItemOutcome {
     pub reset_ms: u64,
 }
 
+impl ItemOutcome {
+    /// The reported outcome of a charge: an over charge reports 0 remaining;
+    /// in a denied request the others report what remains uncharged.
+    pub fn reported(o: &crate::limit::Outcome, denied: bool) -> Self {
+        ItemOutcome {
+            over: o.over,
+            remaining: if o.over {
+                0
+            } else if denied {
+                o.remaining_now
+            } else {
+                o.remaining_after
+            },
+            reset_ms: o.reset_ms,
+        }
+    }
+}
+
 /// Which path decided; reported in metrics and /status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

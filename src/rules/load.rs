@@ -421,7 +421,7 @@ impl FileCtx<'_> {
                         self.string(node, "value")
                     }
                 }
-                "rate_limit" => rate_limit = Some(node),
+                "rate_limit" => rate_limit = Some((node, at)),
                 "descriptors" => children = Some(node),
                 "shadow_mode" => shadow = self.boolean(node, name),
                 "quota_mode" => quota = self.boolean(node, name),
@@ -450,8 +450,8 @@ impl FileCtx<'_> {
         }
 
         let mut node = Node::default();
-        if let Some(rl) = rate_limit.filter(|n| !n.is_null()) {
-            if let Some(rule) = self.load_rate_limit(rl, &full_key) {
+        if let Some((rl, at)) = rate_limit.filter(|(n, _)| !n.is_null()) {
+            if let Some(rule) = self.load_rate_limit(rl, at, &full_key) {
                 let rule = Arc::new(Rule {
                     shadow_mode: shadow,
                     quota_mode: quota,
@@ -492,7 +492,9 @@ impl FileCtx<'_> {
         }
     }
 
-    fn load_rate_limit(&mut self, node: &Yaml, full_key: &str) -> Option<Rule> {
+    /// `line` is the line of the `rate_limit` key: where errors about the
+    /// block as a whole point, and the rule's recorded source line.
+    fn load_rate_limit(&mut self, node: &Yaml, line: usize, full_key: &str) -> Option<Rule> {
         let Kind::Map(pairs) = &node.kind else {
             self.error(
                 node.line,
@@ -506,6 +508,7 @@ impl FileCtx<'_> {
         let mut unlimited = false;
         let mut name = None;
         let mut replaces = Vec::new();
+        let mut replaces_line = line;
         let mut algorithm = Algorithm::FixedWindow;
         let mut burst: Option<(u32, usize)> = None;
         let mut ok = true;
@@ -515,7 +518,10 @@ impl FileCtx<'_> {
                 "unit" => unit = self.string(value, field).map(|u| (value, u)),
                 "unlimited" => unlimited = self.boolean(value, field),
                 "name" => name = self.string(value, field).filter(|n| !n.is_empty()),
-                "replaces" => ok &= self.load_replaces(value, &mut replaces),
+                "replaces" => {
+                    replaces_line = at;
+                    ok &= self.load_replaces(value, &mut replaces);
+                }
                 "algorithm" => match self.string(value, field).map(|a| a.parse::<Algorithm>()) {
                     Some(Ok(a)) => algorithm = a,
                     Some(Err(e)) => {
@@ -553,14 +559,14 @@ impl FileCtx<'_> {
                 }
             },
             (None, false) => {
-                self.error(node.line, format!("invalid rate limit unit '' in '{full_key}' (unit is required unless unlimited is true)"));
+                self.error(line, format!("invalid rate limit unit '' in '{full_key}' (unit is required unless unlimited is true)"));
                 return None;
             }
         };
         if let Some(own) = &name {
             if replaces.iter().any(|r| r == own) {
                 self.error(
-                    node.line,
+                    replaces_line,
                     format!(
                         "replaces should not contain the rule's own name '{own}' in '{full_key}'"
                     ),
@@ -598,7 +604,7 @@ impl FileCtx<'_> {
             value_to_metric: false,
             metadata: serde_json::Value::Null,
             file: self.file.to_path_buf(),
-            line: node.line,
+            line,
         })
     }
 

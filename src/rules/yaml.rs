@@ -186,7 +186,7 @@ mod tests {
             panic!("map")
         };
         assert!(matches!(pairs[1].1.kind, Kind::Map(_)));
-        let err = parse("a: [1, 2\nb: c").err().expect("error");
+        let err = parse("a: [1, 2\nb: c").expect_err("error");
         assert!(err.0 >= 1);
         assert!(parse("").ok().flatten().is_none());
     }

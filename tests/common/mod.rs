@@ -1,0 +1,259 @@
+//! Shared test support: free ports, required external commands (missing ones
+//! fail loudly), child processes that are always stopped by pid, a tiny
+//! HTTP/1.1 client, and a leasehold server started from the built binary.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind a free loopback port")
+}
+
+/// Path of an external command the test needs; panics with the install hint
+/// when it is missing, so a test never skips silently.
+pub fn require(cmd: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in std::env::split_paths(&path) {
+        let candidate = dir.join(cmd);
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!("required command `{cmd}` is not on PATH: run the README's test command (tests/run.sh), which installs it");
+}
+
+/// A child process stopped (SIGKILL by pid) and reaped when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command, log_dir: &Path) -> Proc {
+        let log = log_dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).expect("create log file");
+        let err = out.try_clone().expect("clone log file");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        Proc {
+            name: name.into(),
+            child,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends a signal by pid.
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{sig} {}", self.pid());
+    }
+
+    /// Waits for exit up to `limit`; None when still running.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `check` every 50 ms until it returns true or `limit` passes.
+pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// A minimal HTTP/1.1 response.
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`.
+pub fn http(
+    method: &str,
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<HttpResponse> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    stream.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad response: {text}")))?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect::<Vec<_>>();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Ok(HttpResponse {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<HttpResponse> {
+    http("GET", addr, path, &[], "")
+}
+
+/// A leasehold server process on free loopback ports.
+pub struct Leasehold {
+    pub proc: Proc,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+}
+
+pub fn leasehold_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_leasehold"))
+}
+
+impl Leasehold {
+    /// Starts `leasehold serve` and waits until /readyz answers 200.
+    pub fn start(
+        name: &str,
+        rules: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log_dir: &Path,
+    ) -> Leasehold {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let mut cmd = Command::new(leasehold_bin());
+        cmd.arg("serve")
+            .arg("--rules")
+            .arg(rules)
+            .arg("--grpc-addr")
+            .arg(grpc.to_string())
+            .arg("--http-addr")
+            .arg(http.to_string())
+            .args(extra)
+            .env("LEASEHOLD_RULES_POLL_INTERVAL_MS", "200");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut proc = Proc::spawn(name, &mut cmd, log_dir);
+        let ready = wait_until(Duration::from_secs(20), || {
+            if let Ok(Some(status)) = proc.child.try_wait() {
+                panic!("{name} exited early ({status}):\n{}", proc.log_text());
+            }
+            get(http, "/readyz")
+                .map(|r| r.status == 200)
+                .unwrap_or(false)
+        });
+        assert!(ready, "{name} did not become ready:\n{}", proc.log_text());
+        Leasehold { proc, grpc, http }
+    }
+
+    pub fn grpc_uri(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+}
+
+/// A directory for logs and configs that survives for inspection when the
+/// test fails (under target/), removed on success by the caller if wanted.
+pub fn test_dir(name: &str) -> PathBuf {
+    let dir =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create test dir");
+    dir
+}

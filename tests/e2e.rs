@@ -1,0 +1,666 @@
+//! End-to-end tests against the real binary and real peers: grpcurl (no proto
+//! files, reflection only), Envoy's ext ratelimit filter, the HTTP endpoints,
+//! hot reload, `leasehold check`, startup failures and graceful shutdown.
+//! These start processes, so nextest runs this binary one test at a time.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{free_port, get, http, require, test_dir, wait_until, Leasehold, Proc};
+use leasehold::proto::common::rate_limit_descriptor::{Entry, RateLimitOverride};
+use leasehold::proto::common::RateLimitDescriptor;
+use leasehold::proto::rls::rate_limit_response::Code;
+use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
+use leasehold::proto::rls::RateLimitRequest;
+
+const RULES: &str = r#"
+domain: e2e
+descriptors:
+  - key: user
+    rate_limit:
+      unit: minute
+      requests_per_unit: 3
+  - key: api
+    rate_limit:
+      unit: hour
+      requests_per_unit: 100
+"#;
+
+fn write_rules(dir: &Path, text: &str) -> std::path::PathBuf {
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("e2e.yaml"), text).expect("write rules");
+    rules
+}
+
+fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+fn grpcurl(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(require("grpcurl"))
+        .args(args)
+        .output()
+        .expect("run grpcurl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn grpcurl_lists_and_calls_through_reflection() {
+    require("grpcurl");
+    let dir = test_dir("grpcurl");
+    let rules = write_rules(&dir, RULES);
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let addr = server.grpc.to_string();
+
+    let (ok, out, err) = grpcurl(&["-plaintext", &addr, "list"]);
+    assert!(ok, "grpcurl list failed: {err}");
+    for service in [
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            out.lines().any(|l| l.trim() == service),
+            "{service} missing from:\n{out}"
+        );
+    }
+
+    let (ok, out, err) = grpcurl(&[
+        "-plaintext",
+        &addr,
+        "describe",
+        "envoy.service.ratelimit.v3.RateLimitRequest",
+    ]);
+    assert!(
+        ok && out.contains("hits_addend"),
+        "describe failed: {out}{err}"
+    );
+
+    let body = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"alice"}]}]}"#;
+    let method = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    for remaining in [2, 1, 0] {
+        let (ok, out, err) = grpcurl(&["-plaintext", "-d", body, &addr, method]);
+        assert!(ok, "call failed: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+        assert_eq!(v["overallCode"], "OK", "{out}");
+        assert_eq!(v["statuses"][0]["currentLimit"]["requestsPerUnit"], 3);
+        assert_eq!(v["statuses"][0]["currentLimit"]["unit"], "MINUTE");
+        assert_eq!(
+            v["statuses"][0]["limitRemaining"].as_u64().unwrap_or(0),
+            remaining,
+            "{out}"
+        );
+    }
+    let (ok, out, _) = grpcurl(&["-plaintext", "-d", body, &addr, method]);
+    assert!(ok);
+    assert!(out.contains("\"overallCode\": \"OVER_LIMIT\""), "{out}");
+
+    for name in ["", "ratelimit"] {
+        let (ok, out, err) = grpcurl(&[
+            "-plaintext",
+            "-d",
+            &format!(r#"{{"service":"{name}"}}"#),
+            &addr,
+            "grpc.health.v1.Health/Check",
+        ]);
+        assert!(ok && out.contains("SERVING"), "health {name:?}: {out}{err}");
+    }
+    // Bad input through grpcurl: INVALID_ARGUMENT with a message.
+    let (ok, _, err) = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"domain":"","descriptors":[]}"#,
+        &addr,
+        method,
+    ]);
+    assert!(
+        !ok && err.contains("InvalidArgument") && err.contains("domain must not be empty"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_invalid_argument_and_charges_nothing() {
+    let dir = test_dir("badinput");
+    let rules = write_rules(&dir, RULES);
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let mut client = RateLimitServiceClient::connect(server.grpc_uri())
+        .await
+        .expect("connect");
+
+    let long = "x".repeat(4097);
+    let mut unknown_unit = desc(&[("user", "bob")]);
+    unknown_unit.limit = Some(RateLimitOverride {
+        requests_per_unit: 5,
+        unit: 0,
+    });
+    let mut undefined_unit = desc(&[("user", "bob")]);
+    undefined_unit.limit = Some(RateLimitOverride {
+        requests_per_unit: 5,
+        unit: 99,
+    });
+    let cases: Vec<(RateLimitRequest, &str)> = vec![
+        (
+            request("", vec![desc(&[("user", "bob")])]),
+            "domain must not be empty",
+        ),
+        (request("e2e", vec![]), "descriptor list must not be empty"),
+        (
+            request("e2e", vec![desc(&[("user", "bob")]), desc(&[])]),
+            "descriptor 1 has no entries",
+        ),
+        (
+            request("e2e", vec![desc(&[("user", "bob"), ("", "x")])]),
+            "entry 1 has an empty key",
+        ),
+        (
+            request("e2e", vec![desc(&[("user", &long)])]),
+            "value is 4097 bytes",
+        ),
+        (
+            request("e2e", vec![desc(&[(&long, "x")])]),
+            "key is 4097 bytes",
+        ),
+        (
+            request(&long, vec![desc(&[("user", "bob")])]),
+            "domain is 4097 bytes",
+        ),
+        (
+            request("e2e", (0..65).map(|_| desc(&[("user", "bob")])).collect()),
+            "65 descriptors",
+        ),
+        (
+            request(
+                "e2e",
+                vec![desc(&(0..33).map(|_| ("user", "bob")).collect::<Vec<_>>())],
+            ),
+            "33 entries",
+        ),
+        (
+            request("e2e", vec![desc(&[("user", "bob")]), unknown_unit]),
+            "unit UNKNOWN",
+        ),
+        (request("e2e", vec![undefined_unit]), "unit 99"),
+    ];
+    for (req, needle) in cases {
+        let status = client.should_rate_limit(req).await.expect_err("must fail");
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{needle}: {status:?}"
+        );
+        assert!(
+            status.message().contains(needle),
+            "want {needle:?} in {:?}",
+            status.message()
+        );
+    }
+    // None of the rejected requests charged bob.
+    let resp = client
+        .should_rate_limit(request("e2e", vec![desc(&[("user", "bob")])]))
+        .await
+        .expect("valid call")
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 2);
+    // Exactly at the bound is fine; huge hits are OVER, not errors.
+    let at_bound = "v".repeat(4096);
+    let resp = client
+        .should_rate_limit(request("e2e", vec![desc(&[("user", &at_bound)])]))
+        .await
+        .expect("4 KiB value is valid")
+        .into_inner();
+    assert_eq!(resp.overall_code, Code::Ok as i32);
+    let mut huge = request("e2e", vec![desc(&[("api", "k")])]);
+    huge.hits_addend = u32::MAX;
+    let resp = client
+        .should_rate_limit(huge)
+        .await
+        .expect("huge hits")
+        .into_inner();
+    assert_eq!(resp.overall_code, Code::OverLimit as i32);
+    let mut huge = request("e2e", vec![desc(&[("api", "k")])]);
+    huge.descriptors[0].hits_addend = Some(u64::MAX);
+    let resp = client
+        .should_rate_limit(huge)
+        .await
+        .expect("huge hits")
+        .into_inner();
+    assert_eq!(resp.overall_code, Code::OverLimit as i32);
+    assert!(server
+        .proc
+        .log_text()
+        .lines()
+        .all(|l| !l.contains("panicked")));
+}
+
+#[test]
+fn http_endpoints_and_json_api() {
+    let dir = test_dir("http");
+    let rules = write_rules(&dir, RULES);
+    let server = Leasehold::start("leasehold", &rules, &["--response-headers"], &[], &dir);
+    for path in ["/healthz", "/healthcheck", "/readyz"] {
+        let r = get(server.http, path).expect("get");
+        assert_eq!(r.status, 200, "{path}");
+    }
+    let r = get(server.http, "/rules").expect("rules");
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["domains"][0]["domain"], "e2e");
+    assert_eq!(v["domains"][0]["rules"][0]["key"], "e2e.user");
+    assert_eq!(v["hash"].as_str().map(str::len), Some(64));
+
+    let body = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"carol"}]}]}"#;
+    for i in 1..=4 {
+        let r = http("POST", server.http, "/json", &[], body).expect("post");
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("json body");
+        if i <= 3 {
+            assert_eq!(
+                (r.status, &v["overallCode"]),
+                (200, &serde_json::json!("OK")),
+                "{}",
+                r.body
+            );
+        } else {
+            assert_eq!(
+                (r.status, &v["overallCode"]),
+                (429, &serde_json::json!("OVER_LIMIT")),
+                "{}",
+                r.body
+            );
+        }
+        let headers = v["responseHeadersToAdd"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            headers
+                .iter()
+                .any(|h| h["key"] == "RateLimit-Limit" && h["value"] == "3"),
+            "{}",
+            r.body
+        );
+    }
+    // camelCase and string-encoded uint64, as protojson writes them.
+    let r = http(
+        "POST",
+        server.http,
+        "/json",
+        &[],
+        r#"{"domain":"e2e","hitsAddend":2,"descriptors":[{"entries":[{"key":"api","value":"j"}],"hitsAddend":"5"}]}"#,
+    )
+    .expect("post");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("\"limitRemaining\":95"), "{}", r.body);
+    for bad in [
+        "not json",
+        r#"{"domain":"e2e","descriptors":[]}"#,
+        r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"","value":"x"}]}]}"#,
+    ] {
+        let r = http("POST", server.http, "/json", &[], bad).expect("post");
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert!(r.body.contains("error"), "{}", r.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_reload_swaps_good_rules_and_keeps_old_on_error() {
+    let dir = test_dir("reload");
+    let rules = write_rules(&dir, RULES);
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let mut client = RateLimitServiceClient::connect(server.grpc_uri())
+        .await
+        .expect("connect");
+    let limit_of = |resp: leasehold::proto::rls::RateLimitResponse| {
+        resp.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit)
+    };
+
+    let resp = client
+        .should_rate_limit(request("added", vec![desc(&[("k", "v")])]))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(limit_of(resp), None, "unknown domain before reload");
+
+    // Add a domain in a new file.
+    std::fs::write(rules.join("added.yaml"), "domain: added\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 7}\n").expect("write");
+    let mut seen = None;
+    for _ in 0..100 {
+        let resp = client
+            .should_rate_limit(request("added", vec![desc(&[("k", "v")])]))
+            .await
+            .expect("call")
+            .into_inner();
+        seen = limit_of(resp);
+        if seen.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(seen, Some(7), "new domain picked up");
+
+    // A broken change keeps the old rules and shows the error on /rules.
+    std::fs::write(
+        rules.join("added.yaml"),
+        "domain: added\ndescriptors:\n  - key: k\n    rate_limit: {unit: lightyear}\n",
+    )
+    .expect("write");
+    let http_addr = server.http;
+    let errored = tokio::task::spawn_blocking(move || {
+        wait_until(Duration::from_secs(10), || {
+            get(http_addr, "/rules")
+                .map(|r| {
+                    r.body.contains("invalid rate limit unit 'lightyear'")
+                        && r.body.contains("added.yaml:4")
+                })
+                .unwrap_or(false)
+        })
+    })
+    .await
+    .expect("join");
+    assert!(errored, "reload error shown on /rules");
+    let resp = client
+        .should_rate_limit(request("added", vec![desc(&[("k", "v")])]))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(limit_of(resp), Some(7), "old rules kept");
+    assert!(server.proc.log_text().contains("rules reload failed"));
+
+    // Removing the file removes the domain.
+    std::fs::remove_file(rules.join("added.yaml")).expect("rm");
+    let mut gone = false;
+    for _ in 0..100 {
+        let resp = client
+            .should_rate_limit(request("added", vec![desc(&[("k", "v")])]))
+            .await
+            .expect("call")
+            .into_inner();
+        if limit_of(resp).is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "removed domain is gone");
+    let r = get(server.http, "/rules").expect("rules");
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+    assert!(
+        v["last_error"].is_null(),
+        "a good reload clears the error: {}",
+        r.body
+    );
+}
+
+#[test]
+fn check_command_reports_file_line_and_problem() {
+    let dir = test_dir("check");
+    let bad = dir.join("bad.yaml");
+    std::fs::write(&bad, "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n  - key: k\n").expect("write");
+    let out = Command::new(common::leasehold_bin())
+        .arg("check")
+        .arg(&bad)
+        .output()
+        .expect("run check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!(
+            "{}:5: invalid rate limit unit 'fortnight'",
+            bad.display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "{}:7: duplicate descriptor composite key 'd.k'",
+            bad.display()
+        )),
+        "{stderr}"
+    );
+
+    let good = dir.join("good.yaml");
+    std::fs::write(&good, RULES).expect("write");
+    let out = Command::new(common::leasehold_bin())
+        .arg("check")
+        .arg(&good)
+        .output()
+        .expect("run check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("ok: 1 file(s), 1 domain(s), 2 rule(s)")
+    );
+}
+
+#[test]
+fn bad_rules_or_settings_at_startup_exit_non_zero_without_binding() {
+    let dir = test_dir("startup");
+    let rules = write_rules(&dir, "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, unlimited: true}\n");
+    let port = free_port();
+    let out = Command::new(common::leasehold_bin())
+        .args(["serve", "--rules"])
+        .arg(&rules)
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{port}"),
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .expect("run serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("e2e.yaml:4: should not specify rate limit unit when unlimited"),
+        "{stderr}"
+    );
+
+    let good = write_rules(&dir, RULES);
+    let out = Command::new(common::leasehold_bin())
+        .args(["serve", "--rules"])
+        .arg(&good)
+        .env("LEASEHOLD_LOG_FORMAT", "yaml")
+        .output()
+        .expect("run serve");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid setting log_format"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_reports_not_serving_then_drains_and_exits_zero() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let dir = test_dir("sigterm");
+    let rules = write_rules(&dir, RULES);
+    let mut server = Leasehold::start(
+        "leasehold",
+        &rules,
+        &[],
+        &[("LEASEHOLD_SHUTDOWN_DELAY_MS", "1500")],
+        &dir,
+    );
+    let channel = tonic::transport::Endpoint::from_shared(server.grpc_uri())
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut health = HealthClient::new(channel.clone());
+    let check = |name: &str| HealthCheckRequest {
+        service: name.into(),
+    };
+    let status = health
+        .check(check("ratelimit"))
+        .await
+        .expect("check")
+        .into_inner()
+        .status;
+    assert_eq!(status, 1, "SERVING");
+
+    server.proc.signal("TERM");
+    let mut saw_not_serving = false;
+    for _ in 0..20 {
+        match health.check(check("")).await {
+            Ok(r) if r.get_ref().status == 2 => {
+                saw_not_serving = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    assert!(
+        saw_not_serving,
+        "NOT_SERVING reported before the listener closes"
+    );
+    let r = tokio::task::spawn_blocking({
+        let addr = server.http;
+        move || get(addr, "/readyz").map(|r| r.status)
+    })
+    .await
+    .expect("join");
+    assert_eq!(r.ok(), Some(503), "not ready while draining");
+    // In-flight and new calls on the open connection still get answers during the delay.
+    let mut client = RateLimitServiceClient::new(channel);
+    assert!(client
+        .should_rate_limit(request("e2e", vec![desc(&[("user", "z")])]))
+        .await
+        .is_ok());
+    let status = tokio::task::spawn_blocking(move || {
+        let s = server.proc.wait_exit(Duration::from_secs(15));
+        (s, server.proc.log_text())
+    })
+    .await
+    .expect("join");
+    let (exit, log) = status;
+    assert_eq!(
+        exit.and_then(|s| s.code()),
+        Some(0),
+        "exit 0 after drain:\n{log}"
+    );
+    assert!(log.contains("NOT_SERVING"), "{log}");
+}
+
+/// A minimal upstream for Envoy: answers 200 "upstream ok" to everything.
+async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new().fallback(|| async { "upstream ok" });
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
+    let envoy = require("envoy");
+    let dir = test_dir("envoy");
+    let rules = write_rules(&dir, "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let (upstream_port, upstream) = start_upstream().await;
+    let listen_port = free_port();
+    let admin_port = free_port();
+    let template = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/envoy.yaml.tmpl"),
+    )
+    .expect("template");
+    let vars = HashMap::from([
+        ("ADMIN_ADDRESS", "127.0.0.1".to_string()),
+        ("ADMIN_PORT", admin_port.to_string()),
+        ("LISTEN_ADDRESS", "127.0.0.1".to_string()),
+        ("LISTEN_PORT", listen_port.to_string()),
+        ("DOMAIN", "edge".to_string()),
+        ("UPSTREAM_HOST", "127.0.0.1".to_string()),
+        ("UPSTREAM_PORT", upstream_port.to_string()),
+        (
+            "RLS_ENDPOINTS",
+            leasehold::deploy::envoy_endpoints(&[("127.0.0.1".into(), server.grpc.port())]),
+        ),
+    ]);
+    let config = leasehold::deploy::render(&template, &vars).expect("render");
+    let config_path = dir.join("envoy.yaml");
+    std::fs::write(&config_path, config).expect("write envoy config");
+    let mut cmd = Command::new(envoy);
+    cmd.arg("-c")
+        .arg(&config_path)
+        .args(["--disable-hot-restart", "--log-level", "warn"]);
+    let envoy_proc = Proc::spawn("envoy", &mut cmd, &dir);
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().expect("addr");
+    let ingress: std::net::SocketAddr = format!("127.0.0.1:{listen_port}").parse().expect("addr");
+    let results = tokio::task::spawn_blocking(move || {
+        let up = wait_until(Duration::from_secs(30), || {
+            get(admin, "/ready")
+                .map(|r| r.status == 200)
+                .unwrap_or(false)
+        });
+        assert!(up, "envoy did not become ready:\n{}", envoy_proc.log_text());
+        let mut results = Vec::new();
+        for _ in 0..5 {
+            let r = http("GET", ingress, "/hello", &[("x-user", "dave")], "")
+                .expect("request through envoy");
+            results.push(r);
+        }
+        // Without the header, no descriptor: the upstream answers.
+        let plain = http("GET", ingress, "/hello", &[], "").expect("request through envoy");
+        drop(envoy_proc);
+        (results, plain)
+    })
+    .await
+    .expect("join");
+    upstream.abort();
+    let (results, plain) = results;
+    for (i, r) in results.iter().enumerate() {
+        if i < 3 {
+            assert_eq!(r.status, 200, "request {i}: {r:?}");
+            assert_eq!(r.body, "upstream ok");
+            assert_eq!(
+                r.header("x-ratelimit-limit")
+                    .map(|v| v.split(',').next().unwrap_or("").trim()),
+                Some("3"),
+                "{r:?}"
+            );
+            assert_eq!(
+                r.header("x-ratelimit-remaining"),
+                Some((2 - i).to_string().as_str()),
+                "{r:?}"
+            );
+            assert!(r.header("x-ratelimit-reset").is_some(), "{r:?}");
+        } else {
+            assert_eq!(r.status, 429, "request {i}: {r:?}");
+            assert_eq!(r.header("x-ratelimit-remaining"), Some("0"), "{r:?}");
+        }
+    }
+    assert_eq!(plain.status, 200);
+}
