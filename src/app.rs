@@ -16,10 +16,12 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::clock::{Clock, SystemClock};
-use crate::engine::{Engine, MemoryEngine};
+use crate::engine::{Engine, MemoryEngine, RedisEngine};
 use crate::grpc::{RlsService, HEALTH_NAMES};
 use crate::http::{self, Health, HttpState, ReloadStatus};
 use crate::limiter::{Limiter, RulesHandle};
+use crate::redis::membership::Membership;
+use crate::redis::{Redis, RedisConfig};
 use crate::rules::{self, RuleErrors, RuleSet};
 use crate::settings::Settings;
 
@@ -48,7 +50,24 @@ pub async fn run(
     let Prepared { settings, rules } = prepared;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let memory = Arc::new(MemoryEngine::new(clock.clone()));
-    let engine: Arc<dyn Engine> = memory.clone();
+    let grpc_port = grpc_listener.local_addr()?.port();
+    let replica_id: Arc<str> = Arc::from(
+        settings
+            .replica_id
+            .clone()
+            .unwrap_or_else(|| format!("{}:{grpc_port}", hostname())),
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    let (engine, redis): (Arc<dyn Engine>, Option<Arc<Redis>>) = match &settings.redis_url {
+        None => (memory.clone(), None),
+        Some(url) => {
+            let boot = format!("{:x}", clock.now_ms());
+            let (engine, redis) = redis_engine(&settings, url, &replica_id, boot).await?;
+            tasks.spawn(engine.membership().clone().run(stop_rx.clone()));
+            (engine, Some(redis))
+        }
+    };
 
     let reload = Arc::new(ReloadStatus::default());
     reload.loaded_at_ms.store(clock.now_ms(), Ordering::Relaxed);
@@ -58,11 +77,6 @@ pub async fn run(
     let limiter = Arc::new(Limiter::new(handle.clone(), engine, settings.decision()));
     let health = Arc::new(Health::default());
     health.set_rules_loaded();
-    let replica_id: Arc<str> = Arc::from(format!(
-        "{}:{}",
-        hostname(),
-        grpc_listener.local_addr()?.port()
-    ));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     for name in HEALTH_NAMES {
@@ -81,8 +95,6 @@ pub async fn run(
         .build_v1alpha()
         .context("building reflection v1alpha")?;
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(reload_loop(
         settings.clone(),
         handle.clone(),
@@ -144,9 +156,68 @@ pub async fn run(
         grpc.abort();
         http.abort();
     }
-    tasks.shutdown().await;
+    // Background loops see the stop signal; membership leaves the member set.
+    if tokio::time::timeout(Duration::from_secs(2), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await
+    .is_err()
+    {
+        tasks.shutdown().await;
+    }
+    if let Some(redis) = redis {
+        redis.quit().await;
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Connects to Redis without waiting for it, logs clearly whether it
+/// answers, and registers this replica (a live duplicate id is fatal). The
+/// caller runs the membership heartbeat (`engine.membership().run`).
+pub async fn redis_engine(
+    settings: &Settings,
+    url: &str,
+    replica_id: &str,
+    boot: String,
+) -> anyhow::Result<(Arc<RedisEngine>, Arc<Redis>)> {
+    let redis = Arc::new(
+        Redis::connect(&RedisConfig {
+            url: url.to_owned(),
+            pool_size: settings.redis_pool_size,
+            deadline: Duration::from_millis(settings.redis_deadline_ms),
+        })
+        .map_err(anyhow::Error::msg)?,
+    );
+    match redis.ping(Duration::from_secs(2)).await {
+        Ok(()) => tracing::info!(redis = %redis.display_url, "connected to Redis"),
+        Err(e) => tracing::warn!(
+            redis = %redis.display_url,
+            error = %e,
+            "Redis is not answering; serving anyway and reconnecting in the background"
+        ),
+    }
+    let nonce = format!("{}-{boot}", std::process::id());
+    let membership = Arc::new(Membership::new(
+        redis.clone(),
+        &settings.redis_prefix,
+        replica_id.to_owned(),
+        nonce,
+        Duration::from_millis(settings.membership_heartbeat_ms),
+        Duration::from_millis(settings.membership_ttl_ms),
+    ));
+    membership.register().await?;
+    if let Some(index) = membership.index() {
+        tracing::info!(replica_id, index, live = ?membership.state().live, "registered with Redis");
+    }
+    let engine = RedisEngine::new(
+        redis.clone(),
+        membership,
+        settings.redis_prefix.clone(),
+        settings.redis_expiry_margin_ms,
+        boot,
+    );
+    Ok((Arc::new(engine), redis))
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {

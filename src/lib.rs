@@ -7,6 +7,7 @@
 //! - [`limiter`]: matches descriptors to rules, builds one batch of charges,
 //!   turns the engine's outcome into statuses and headers.
 //! - [`engine`]: the [`engine::Engine`] trait and its implementations.
+//! - [`redis`]: the only module that knows fred: scripts, keys, membership.
 //! - [`rules`]: envoyproxy/ratelimit YAML → validated tree; matching.
 //! - [`limit`]: pure algorithm math with `now` passed in.
 //! - [`app`]: the composition root; [`settings`]: typed settings;
@@ -22,5 +23,6 @@ pub mod http;
 pub mod limit;
 pub mod limiter;
 pub mod proto;
+pub mod redis;
 pub mod rules;
 pub mod settings;

@@ -45,6 +45,23 @@ pub struct Settings {
     pub shutdown_delay_ms: u64,
     /// How often expired in-memory counters are dropped, in milliseconds.
     pub sweep_interval_ms: u64,
+    /// Redis URL (redis://[user:password@]host:port[/db], rediss:// for TLS).
+    /// Unset: the in-memory engine decides alone.
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key leasehold writes (no braces).
+    pub redis_prefix: String,
+    /// Budget for one Redis call on the request path, in milliseconds.
+    pub redis_deadline_ms: u64,
+    /// Pipelined Redis connections.
+    pub redis_pool_size: usize,
+    /// Added to every Redis key's natural lifetime, in milliseconds.
+    pub redis_expiry_margin_ms: u64,
+    /// This replica's id (default hostname:grpc-port); unique among live replicas.
+    pub replica_id: Option<String>,
+    /// Membership heartbeat interval, in milliseconds.
+    pub membership_heartbeat_ms: u64,
+    /// A replica silent for this long is no longer a live member, in milliseconds.
+    pub membership_ttl_ms: u64,
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "leasehold=debug".
     pub log_level: String,
     /// "text" or "json".
@@ -73,6 +90,14 @@ impl Default for Settings {
             shutdown_grace_ms: 10_000,
             shutdown_delay_ms: 0,
             sweep_interval_ms: 5_000,
+            redis_url: None,
+            redis_prefix: "lh:".into(),
+            redis_deadline_ms: 5,
+            redis_pool_size: 4,
+            redis_expiry_margin_ms: 10_000,
+            replica_id: None,
+            membership_heartbeat_ms: 1_000,
+            membership_ttl_ms: 5_000,
             log_level: "info".into(),
             log_format: "text".into(),
         }
@@ -156,6 +181,41 @@ impl Settings {
             {
                 return Err(invalid(key, format!("'{v}' is not a valid header name")));
             }
+        }
+        if let Some(url) = &self.redis_url {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(invalid(
+                    "redis_url",
+                    format!(
+                        "'{}' must start with redis:// or rediss://",
+                        crate::redis::redact_url(url)
+                    ),
+                ));
+            }
+        }
+        if self.redis_prefix.contains(['{', '}']) {
+            return Err(invalid(
+                "redis_prefix",
+                "must not contain '{' or '}' (they would change the Redis Cluster hash tag)",
+            ));
+        }
+        for (key, v) in [
+            ("redis_deadline_ms", self.redis_deadline_ms),
+            ("redis_pool_size", self.redis_pool_size as u64),
+            ("membership_heartbeat_ms", self.membership_heartbeat_ms),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        if self.membership_ttl_ms <= self.membership_heartbeat_ms {
+            return Err(invalid(
+                "membership_ttl_ms",
+                "must be longer than membership_heartbeat_ms",
+            ));
+        }
+        if self.replica_id.as_deref().is_some_and(str::is_empty) {
+            return Err(invalid("replica_id", "must not be empty"));
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             return Err(invalid(

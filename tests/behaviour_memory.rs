@@ -9,8 +9,8 @@ use leasehold::clock::{Clock, ManualClock, SystemClock};
 use leasehold::engine::{Engine, MemoryEngine};
 use leasehold::limiter::Code;
 
-async fn memory() -> Arc<dyn Engine> {
-    Arc::new(MemoryEngine::new(Arc::new(SystemClock)))
+async fn memory() -> (Arc<dyn Engine>, ()) {
+    (Arc::new(MemoryEngine::new(Arc::new(SystemClock))), ())
 }
 
 behaviour_suite!(memory());

@@ -57,6 +57,12 @@ pub struct ServeArgs {
     /// Merge rules files that declare the same domain.
     #[arg(long)]
     pub merge_domains: bool,
+    /// Count in Redis: redis://[user:password@]host:port[/db] or rediss://.
+    #[arg(long, value_name = "URL")]
+    pub redis_url: Option<String>,
+    /// This replica's id [default: hostname:grpc-port].
+    #[arg(long, value_name = "ID")]
+    pub replica_id: Option<String>,
     /// Log filter, e.g. info or leasehold=debug.
     #[arg(long, value_name = "FILTER")]
     pub log_level: Option<String>,
@@ -80,6 +86,12 @@ impl ServeArgs {
         }
         if let Some(a) = self.http_addr {
             s.http_addr = a;
+        }
+        if let Some(u) = &self.redis_url {
+            s.redis_url = Some(u.clone());
+        }
+        if let Some(id) = &self.replica_id {
+            s.replica_id = Some(id.clone());
         }
         s.shadow_mode |= self.shadow_mode;
         s.response_headers |= self.response_headers;

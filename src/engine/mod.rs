@@ -6,6 +6,7 @@
 //! trait.
 
 pub mod memory;
+pub mod redis;
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use async_trait::async_trait;
 use crate::limit::{LimitSpec, Role};
 
 pub use memory::MemoryEngine;
+pub use redis::RedisEngine;
 
 /// The identity of one counter: domain, the request's entries (with shared
 /// wildcard patterns substituted), unit and algorithm. Every component is

@@ -63,7 +63,9 @@ fn limit(rpu: u32, unit: Unit, name: &str) -> Option<CurrentLimit> {
     })
 }
 
-/// Expands one `#[tokio::test]` per case, each with a fresh engine from `$make`.
+/// Expands one `#[tokio::test]` per case, each with a fresh engine from
+/// `$make`, which yields `(engine, guard)`: the guard keeps whatever the
+/// engine needs (a redis-server) alive for the case and stops it after.
 #[macro_export]
 macro_rules! behaviour_suite {
     ($make:expr) => {
@@ -96,8 +98,9 @@ macro_rules! behaviour_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
-                let engine: std::sync::Arc<dyn leasehold::engine::Engine> = $make.await;
+                let (engine, guard): (std::sync::Arc<dyn leasehold::engine::Engine>, _) = $make.await;
                 behaviour::$case(engine).await;
+                drop(guard);
             }
         )*
     };

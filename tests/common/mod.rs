@@ -257,3 +257,99 @@ pub fn test_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create test dir");
     dir
 }
+
+/// A real redis-server on a free loopback port, without persistence,
+/// killed by pid when dropped.
+pub struct RedisServer {
+    pub proc: Proc,
+    pub port: u16,
+    pub dir: PathBuf,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub fn start(name: &str, dir: &Path) -> RedisServer {
+        Self::start_with(name, dir, &[])
+    }
+
+    pub fn start_with(name: &str, dir: &Path, extra: &[&str]) -> RedisServer {
+        let port = free_port();
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let proc = Self::spawn(name, dir, port, &extra);
+        let server = RedisServer {
+            proc,
+            port,
+            dir: dir.to_path_buf(),
+            extra,
+        };
+        server.wait_ready();
+        server
+    }
+
+    fn spawn(name: &str, dir: &Path, port: u16, extra: &[String]) -> Proc {
+        let mut cmd = Command::new(require("redis-server"));
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra);
+        Proc::spawn(name, &mut cmd, dir)
+    }
+
+    fn wait_ready(&self) {
+        let ok = wait_until(Duration::from_secs(10), || {
+            self.cli(&["PING"]).trim() == "PONG"
+        });
+        assert!(
+            ok,
+            "redis-server did not answer PING:\n{}",
+            self.proc.log_text()
+        );
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs redis-cli against this server and returns stdout.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let mut cmd = Command::new(require("redis-cli"));
+        cmd.args(["-p", &self.port.to_string()]);
+        if let Some(pos) = self.extra.iter().position(|a| a == "--requirepass") {
+            if let Some(pass) = self.extra.get(pos + 1) {
+                cmd.args(["--no-auth-warning", "-a", pass]);
+            }
+        }
+        let out = cmd.args(args).output().expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Every key (SCAN), sorted.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.cli(&["--scan"]).lines().map(str::to_owned).collect();
+        keys.sort();
+        keys
+    }
+
+    /// Kills (SIGKILL) and starts a new, empty redis-server on the same port.
+    pub fn restart_empty(&mut self) {
+        self.proc.signal("KILL");
+        let _ = self.proc.wait_exit(Duration::from_secs(5));
+        let name = self.proc.name.clone();
+        self.proc = Self::spawn(
+            &format!("{name}-restarted"),
+            &self.dir,
+            self.port,
+            &self.extra,
+        );
+        self.wait_ready();
+    }
+}

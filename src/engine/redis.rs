@@ -1,0 +1,265 @@
+//! The Redis engine: one script call per request evaluates every charge
+//! atomically and all-or-nothing on Redis time (`redis.call('TIME')`), so any
+//! number of replicas enforce one limit exactly and replica clock skew
+//! changes nothing.
+//!
+//! # Counting twice is impossible by construction
+//!
+//! Every counter window is a hash with one field per replica (its net
+//! count); the total is their sum (layout in [`crate::redis::keys`]). A
+//! replica writes only its own field, so the replay of what it granted while
+//! Redis was away is "set my field to my count": repeatable, and it also
+//! heals a Redis that came back empty.
+//!
+//! A script that Redis executes late, after this replica gave up on the
+//! deadline and decided locally, is the dangerous case: it would add hits
+//! that the local decision also counts. Two mechanisms close it:
+//!
+//! - **Epoch fence.** The replica keeps an epoch, bumped every time a call
+//!   fails in a way that might still be applied (timeout, lost reply). Every
+//!   call carries the epoch. When the replica rewrites its field for a key
+//!   (replay), it also writes the fence `f<idx>` = its current epoch on that
+//!   key, and the script refuses (reply "stale", nothing read or written) any
+//!   call whose epoch is below the fence. A late call therefore either runs
+//!   before the rewrite (and is overwritten by it) or after it (and is
+//!   refused). A refused live call is retried once with the current epoch.
+//! - **No resends.** The client never resends a script on reconnect
+//!   (`max_command_attempts = 1`), so one decision is at most one execution.
+//!
+//! Sliding logs get the same from deterministic member ids
+//! (`<idx>:<call id>:<charge>:<n>`, the call id unique per incarnation):
+//! re-adding a member is a no-op.
+//!
+//! Refunds lower the replica's own field (which may go below zero; the total
+//! is clamped at zero by the script), so they replay exactly like grants.
+//!
+//! # Demand shares
+//!
+//! Each charge's reply carries this replica's count and the total for the
+//! key's window(s) at no extra round trip; [`DemandBook`] keeps the latest
+//! fraction per key for sizing local leases by demand.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+
+use super::{Batch, BatchOutcome, CounterKey, DecisionPath, Engine, EngineError, ItemOutcome};
+use crate::limit::{Algorithm, Role};
+use crate::redis::membership::Membership;
+use crate::redis::{keys, CallError, Redis};
+
+/// Hits above this are clamped before they reach Lua (whose numbers are
+/// doubles and whose integer formatting stops at 10^14): such a charge is
+/// over any u32 limit anyway.
+pub const MAX_HITS: u64 = 1_000_000_000_000;
+
+/// This replica's share of each key's recent traffic, from script replies.
+pub struct DemandBook {
+    entries: Mutex<HashMap<CounterKey, (u64, u64)>>,
+    cap: usize,
+}
+
+impl DemandBook {
+    pub fn new(cap: usize) -> Self {
+        DemandBook {
+            entries: Mutex::new(HashMap::new()),
+            cap,
+        }
+    }
+
+    fn record(&self, key: &CounterKey, own: i64, total: i64) {
+        if own < 0 || total <= 0 {
+            return;
+        }
+        let mut map = self.entries.lock();
+        if map.len() >= self.cap && !map.contains_key(key) {
+            return;
+        }
+        map.insert(key.clone(), (own as u64, total as u64));
+    }
+
+    /// This replica's fraction of the key's traffic in its current window(s).
+    pub fn share(&self, key: &CounterKey) -> Option<f64> {
+        self.entries
+            .lock()
+            .get(key)
+            .map(|&(own, total)| (own.min(total) as f64) / (total as f64))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub struct RedisEngine {
+    redis: Arc<Redis>,
+    membership: Arc<Membership>,
+    prefix: String,
+    margin_ms: u64,
+    epoch: AtomicU64,
+    calls: AtomicU64,
+    /// Distinguishes this incarnation's call ids from a previous one's.
+    boot: String,
+    demand: DemandBook,
+}
+
+fn algorithm_code(a: Algorithm) -> u8 {
+    match a {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        Algorithm::SlidingLog => 3,
+        Algorithm::TokenBucket => 4,
+    }
+}
+
+fn role_code(r: Role) -> u8 {
+    match r {
+        Role::Enforce => 0,
+        Role::Shadow => 1,
+        Role::Quota => 2,
+    }
+}
+
+impl RedisEngine {
+    pub fn new(
+        redis: Arc<Redis>,
+        membership: Arc<Membership>,
+        prefix: String,
+        margin_ms: u64,
+        boot: String,
+    ) -> Self {
+        RedisEngine {
+            redis,
+            membership,
+            prefix,
+            margin_ms,
+            epoch: AtomicU64::new(1),
+            calls: AtomicU64::new(0),
+            boot,
+            demand: DemandBook::new(100_000),
+        }
+    }
+
+    pub fn demand(&self) -> &DemandBook {
+        &self.demand
+    }
+
+    pub fn membership(&self) -> &Arc<Membership> {
+        &self.membership
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    fn args(&self, batch: &Batch, index: u64) -> (Vec<String>, Vec<String>) {
+        let keys = batch
+            .charges
+            .iter()
+            .map(|c| keys::counter_base(&self.prefix, &c.key))
+            .collect();
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut args = Vec::with_capacity(5 + 6 * batch.charges.len());
+        args.push(index.to_string());
+        args.push(self.epoch().to_string());
+        args.push(if batch.never_deny { "1" } else { "0" }.to_string());
+        args.push(self.margin_ms.to_string());
+        args.push(format!("{}.{call}", self.boot));
+        for c in &batch.charges {
+            args.push(algorithm_code(c.spec.algorithm).to_string());
+            args.push(c.spec.requests_per_unit.to_string());
+            args.push(c.spec.unit.millis().to_string());
+            args.push(c.spec.burst.to_string());
+            args.push(c.hits.min(MAX_HITS).to_string());
+            args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
+        }
+        (keys, args)
+    }
+
+    async fn call(&self, batch: &Batch, index: u64) -> Result<Vec<i64>, CallError> {
+        let (keys, args) = self.args(batch, index);
+        let result = self.redis.decide(keys, args).await;
+        if let Err(e) = &result {
+            if e.maybe_applied() {
+                // This call may still run: later rewrites must fence it out.
+                self.epoch.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        result
+    }
+
+    fn parse(&self, batch: &Batch, reply: &[i64]) -> Result<BatchOutcome, EngineError> {
+        let n = batch.charges.len();
+        if reply.len() != 3 + 5 * n {
+            return Err(EngineError::Backend(format!(
+                "script reply has {} items, expected {}",
+                reply.len(),
+                3 + 5 * n
+            )));
+        }
+        let denied = reply[2] == 1;
+        let mut items = Vec::with_capacity(n);
+        for (i, charge) in batch.charges.iter().enumerate() {
+            let r = &reply[3 + 5 * i..8 + 5 * i];
+            self.demand.record(&charge.key, r[3], r[4]);
+            items.push(ItemOutcome {
+                over: r[0] == 1,
+                remaining: r[1].max(0) as u64,
+                reset_ms: r[2].max(0) as u64,
+            });
+        }
+        Ok(BatchOutcome {
+            items,
+            denied,
+            path: DecisionPath::Redis,
+        })
+    }
+}
+
+fn unavailable(e: CallError) -> EngineError {
+    EngineError::Unavailable(e.to_string())
+}
+
+#[async_trait]
+impl Engine for RedisEngine {
+    async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
+        let Some(index) = self.membership.index() else {
+            return Err(EngineError::Unavailable(
+                "this replica is not registered with Redis yet".into(),
+            ));
+        };
+        let mut reply = self.call(batch, index).await.map_err(unavailable)?;
+        if reply.first() == Some(&-1) {
+            // Fenced: a rewrite happened after this call's epoch was read.
+            reply = self.call(batch, index).await.map_err(unavailable)?;
+            if reply.first() == Some(&-1) {
+                return Err(EngineError::Unavailable(
+                    "call fenced twice by a concurrent rewrite".into(),
+                ));
+            }
+        }
+        self.parse(batch, &reply)
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn status(&self) -> serde_json::Value {
+        serde_json::json!({
+            "engine": "redis",
+            "redis": self.redis.display_url,
+            "replica_id": self.membership.id(),
+            "membership": self.membership.state(),
+            "epoch": self.epoch(),
+            "demand_keys": self.demand.len(),
+        })
+    }
+}

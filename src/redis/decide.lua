@@ -1,0 +1,273 @@
+-- leasehold: evaluate and (unless denied) apply one request's charges,
+-- atomically, on Redis time. The arithmetic mirrors src/limit/algorithms.rs.
+--
+-- KEYS[i]  base key of charge i. Every base key of one call carries the same
+--          hash tag (the domain), and the keys derived from it below only
+--          append to it, so one call touches one hash slot.
+-- ARGV[1]  this replica's field name (its small numeric index)
+-- ARGV[2]  this replica's epoch (see the fence below)
+-- ARGV[3]  never_deny: "1" in global shadow mode
+-- ARGV[4]  expiry margin in ms, added to every key's natural lifetime
+-- ARGV[5]  call id, unique per replica incarnation (sliding-log member ids)
+-- ARGV[6 + 6*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
+--          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
+--          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota)
+--
+-- Reply: {status, now_ms, denied, then per charge: over, remaining, reset_ms,
+--         own, total}. status 1 = applied or denied; -1 = stale: this
+--         replica's epoch is below a fence on one of the keys, so nothing was
+--         read or written and the caller must not count this call.
+--
+-- Counter layout (fixed and sliding window): one hash per (counter, window),
+-- "<base>@<window index>", with one field per replica index holding that
+-- replica's net count; the total is their sum. Fields starting with "f" are
+-- fences: "f<idx>" = the epoch at which replica idx last rewrote its field.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local me = ARGV[1]
+local epoch = tonumber(ARGV[2])
+local fence_field = 'f' .. me
+local never_deny = ARGV[3] == '1'
+local margin = tonumber(ARGV[4])
+local call_id = ARGV[5]
+local n = #KEYS
+
+-- Sum of the replica count fields of a window hash, this replica's own
+-- count, and this replica's fence.
+local function read_window(key)
+  local flat = redis.call('HGETALL', key)
+  local total, own, fence = 0, 0, 0
+  for i = 1, #flat, 2 do
+    local f = flat[i]
+    local b = string.byte(f, 1)
+    if b and b >= 48 and b <= 57 then
+      local v = tonumber(flat[i + 1]) or 0
+      total = total + v
+      if f == me then own = v end
+    elseif f == fence_field then
+      fence = tonumber(flat[i + 1]) or 0
+    end
+  end
+  return {total = total, own = own, fence = fence}
+end
+
+-- Per-key state cache, so a key charged twice in one request sees its
+-- first charge.
+local windows = {}
+local function window(key)
+  local w = windows[key]
+  if not w then
+    w = read_window(key)
+    windows[key] = w
+  end
+  return w
+end
+
+local stale = false
+local results = {}
+local writes = {}
+local roles = {}
+
+for i = 1, n do
+  local o = 6 + 6 * (i - 1)
+  local algo = tonumber(ARGV[o])
+  local limit = tonumber(ARGV[o + 1])
+  local unit = tonumber(ARGV[o + 2])
+  local burst = tonumber(ARGV[o + 3])
+  local hits = tonumber(ARGV[o + 4])
+  local flags = tonumber(ARGV[o + 5])
+  local refund = flags % 2 == 1
+  roles[i] = math.floor(flags / 2)
+  local base = KEYS[i]
+  local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0}
+
+  if algo == 1 or algo == 2 then
+    local w = math.floor(now / unit)
+    local key = base .. '@' .. w
+    local cur = window(key)
+    if cur.fence > epoch then stale = true end
+    local weighted = 0
+    local prev_own = 0
+    local prev_total = 0
+    if algo == 2 then
+      local prev = window(base .. '@' .. (w - 1))
+      if prev.fence > epoch then stale = true end
+      prev_own, prev_total = prev.own, prev.total
+      if prev.total > 0 then
+        weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
+      end
+    end
+    local count = cur.total
+    local estimate = weighted + count
+    local delta, after
+    if refund then
+      local c = math.max(0, count - hits)
+      delta = c - count
+      after = weighted + c
+    else
+      delta = hits
+      after = estimate + hits
+      if after > limit then r.over = 1 end
+    end
+    r.rem_now = math.max(0, limit - estimate)
+    r.rem_after = (r.over == 1) and 0 or math.max(0, limit - after)
+    r.reset = (w + 1) * unit - now
+    cur.total = cur.total + delta
+    cur.own = cur.own + delta
+    r.own = cur.own + prev_own
+    r.total = cur.total + prev_total
+    local expire_at = (w + 1) * unit + margin
+    if algo == 2 then expire_at = expire_at + unit end
+    if delta ~= 0 then
+      writes[#writes + 1] = {'hincr', key, delta, expire_at}
+    end
+  elseif algo == 3 then
+    -- Sliding log: one member per hit, scored by time; member ids are
+    -- "<replica>:<call id>:<charge>:<n>", so replaying a call is a no-op.
+    local st = windows[base]
+    if not st then
+      redis.call('ZREMRANGEBYSCORE', base, '-inf', now - unit)
+      st = {count = redis.call('ZCARD', base), added = 0}
+      windows[base] = st
+    end
+    local count = st.count
+    local after
+    if refund then
+      local k = math.min(hits, count)
+      after = count - k
+      if k > 0 then writes[#writes + 1] = {'zpop', base, k} end
+    else
+      after = count + hits
+      if after > limit then r.over = 1 end
+      -- Past the limit (shadow) the log saturates at limit + 1 members.
+      local m = math.min(hits, math.max(0, limit + 1 - count))
+      if m > 0 then
+        writes[#writes + 1] = {'zadd', base, m, i, now + unit + margin}
+      end
+    end
+    st.count = after
+    r.rem_now = math.max(0, limit - count)
+    r.rem_after = (r.over == 1) and 0 or math.max(0, limit - after)
+    local oldest = redis.call('ZRANGE', base, 0, 0, 'WITHSCORES')
+    local first = tonumber(oldest[2]) or now
+    if count == 0 and after > 0 then first = now end
+    r.reset = math.max(1, first + unit - now)
+    r.own = -1
+    r.total = after
+  else
+    -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
+    -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
+    -- demand shares and replay.
+    local st = windows[base]
+    if not st then
+      local v = redis.call('HMGET', base, 't', 'u', fence_field)
+      if (tonumber(v[3]) or 0) > epoch then stale = true end
+      st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now}
+      windows[base] = st
+    end
+    local elapsed = math.max(0, now - st.updated)
+    local rate = limit / unit
+    local tokens_now = math.min(burst, st.tokens + elapsed * rate)
+    local after
+    if refund then
+      after = math.min(burst, tokens_now + hits)
+    else
+      if hits > tokens_now then r.over = 1 end
+      after = math.max(0, tokens_now - hits)
+    end
+    local full_in
+    if limit == 0 then
+      full_in = unit
+    elseif after >= burst then
+      full_in = 0
+    else
+      full_in = math.ceil((burst - after) * unit / limit)
+    end
+    st.tokens = after
+    st.updated = now
+    r.rem_now = math.floor(tokens_now)
+    r.rem_after = (r.over == 1) and 0 or math.floor(after)
+    r.reset = math.max(1, full_in)
+    local w = math.floor(now / unit)
+    local ckey = base .. '@' .. w
+    local use = window(ckey)
+    -- What this charge drew from the bucket: its hits when admitted, what
+    -- was left when charged past empty (shadow); always an integer.
+    local consumed = 0
+    if not refund then
+      if r.over == 1 then consumed = math.floor(tokens_now) else consumed = hits end
+    end
+    use.total = use.total + consumed
+    use.own = use.own + consumed
+    r.own = use.own
+    r.total = use.total
+    writes[#writes + 1] = {'bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin}
+  end
+  results[i] = r
+end
+
+if stale then
+  return {-1, now, 0}
+end
+
+local enforce_over = false
+local quota_seen = false
+local quota_all_over = true
+for i = 1, n do
+  local over = results[i].over == 1
+  if roles[i] == 0 then
+    if over then enforce_over = true end
+  elseif roles[i] == 2 then
+    quota_seen = true
+    if not over then quota_all_over = false end
+  end
+end
+local denied = (not never_deny) and (enforce_over or (quota_seen and quota_all_over))
+
+if not denied then
+  for _, wr in ipairs(writes) do
+    local kind = wr[1]
+    if kind == 'hincr' then
+      redis.call('HINCRBY', wr[2], me, wr[3])
+      redis.call('PEXPIREAT', wr[2], wr[4])
+    elseif kind == 'zadd' then
+      -- In chunks: unpack() has a small stack limit.
+      local args = {}
+      for j = 1, wr[3] do
+        args[#args + 1] = now
+        args[#args + 1] = me .. ':' .. call_id .. ':' .. wr[4] .. ':' .. j
+        if #args >= 1000 or j == wr[3] then
+          redis.call('ZADD', wr[2], unpack(args))
+          args = {}
+        end
+      end
+      redis.call('PEXPIREAT', wr[2], wr[5])
+    elseif kind == 'zpop' then
+      redis.call('ZPOPMAX', wr[2], wr[3])
+    elseif kind == 'bucket' then
+      redis.call('HSET', wr[2], 't', string.format('%.17g', wr[3]), 'u', wr[4])
+      redis.call('PEXPIRE', wr[2], wr[5])
+      if wr[7] > 0 then
+        redis.call('HINCRBY', wr[6], me, wr[7])
+        redis.call('PEXPIREAT', wr[6], wr[8])
+      end
+    end
+  end
+end
+
+local reply = {1, now, denied and 1 or 0}
+for i = 1, n do
+  local r = results[i]
+  local remaining = r.rem_after
+  if r.over == 1 then
+    remaining = 0
+  elseif denied then
+    remaining = r.rem_now
+  end
+  reply[#reply + 1] = r.over
+  reply[#reply + 1] = remaining
+  reply[#reply + 1] = r.reset
+  reply[#reply + 1] = r.own
+  reply[#reply + 1] = r.total
+end
+return reply

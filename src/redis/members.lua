@@ -1,0 +1,59 @@
+-- leasehold: replica membership. One call registers or refreshes this
+-- replica and returns who is alive.
+--
+-- KEYS[1]  owner key of this replica id (a string: the incarnation nonce, with a TTL)
+-- KEYS[2]  members: sorted set, id -> last seen (ms, Redis time)
+-- KEYS[3]  index: hash, id -> small numeric index (permanent; the field name
+--          this replica writes in counter hashes)
+-- KEYS[4]  next index counter
+-- KEYS[5]  index owners: hash, index -> id (so an index is never given twice)
+-- ARGV[1]  replica id, ARGV[2] incarnation nonce, ARGV[3] TTL in ms,
+-- ARGV[4]  "beat" (register or refresh) or "leave",
+-- ARGV[5]  the index this replica used before (0: none): after Redis lost
+--          its data, a replica gets its old index back when it is free, so
+--          its counter fields keep their meaning
+--
+-- Reply: {1, index, now_ms, live ids...} on success; {0, other nonce} when
+-- another live incarnation owns the id (two writers of one field would
+-- corrupt replay, so the caller must not use it).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id, nonce, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= nonce then
+  return {0, owner}
+end
+if ARGV[4] == 'leave' then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], id)
+  return {1, 0, now}
+end
+redis.call('SET', KEYS[1], nonce, 'PX', ttl)
+redis.call('ZADD', KEYS[2], now, id)
+-- Forget members silent for a day; their index stays reserved.
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 86400000)
+local idx = redis.call('HGET', KEYS[3], id)
+if not idx then
+  local want = tonumber(ARGV[5]) or 0
+  if want > 0 and redis.call('HSETNX', KEYS[5], want, id) == 1 then
+    idx = want
+    if (tonumber(redis.call('GET', KEYS[4])) or 0) < want then
+      redis.call('SET', KEYS[4], want)
+    end
+  else
+    repeat
+      idx = redis.call('INCR', KEYS[4])
+    until redis.call('HSETNX', KEYS[5], idx, id) == 1
+  end
+  redis.call('HSET', KEYS[3], id, idx)
+end
+-- The registry outlives its members by a day, then disappears.
+for k = 2, 5 do
+  redis.call('PEXPIRE', KEYS[k], 86400000)
+end
+local reply = {1, tonumber(idx), now}
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - ttl, '+inf')
+for _, m in ipairs(live) do
+  reply[#reply + 1] = m
+end
+return reply

@@ -1,0 +1,284 @@
+//! The only module that knows fred: connection pool, the Lua scripts (loaded
+//! once, called by SHA, reloaded transparently after NOSCRIPT), per-call
+//! deadlines and membership heartbeats. Callers get domain values and a
+//! [`CallError`] that says whether the call may have been applied.
+
+pub mod keys;
+pub mod membership;
+
+use std::time::Duration;
+
+use fred::prelude::*;
+use fred::types::config::{Options, ReconnectPolicy};
+
+/// The decision script (see its header for the KEYS/ARGV contract).
+pub const DECIDE_LUA: &str = include_str!("decide.lua");
+/// The membership script.
+pub const MEMBERS_LUA: &str = include_str!("members.lua");
+
+/// Connection settings.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// redis://[user:password@]host:port[/db] or rediss:// for TLS.
+    pub url: String,
+    pub pool_size: usize,
+    /// Budget for one call, including a NOSCRIPT reload.
+    pub deadline: Duration,
+}
+
+/// A failed call. `maybe_applied` is true when Redis may still execute (or
+/// has executed) the call: a timeout or a lost reply, as opposed to a call
+/// that provably never left.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("Redis call timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("Redis is not connected: {0}")]
+    NotConnected(String),
+    #[error("Redis error: {0}")]
+    Redis(String),
+    #[error("unexpected reply from Redis: {0}")]
+    Reply(String),
+}
+
+impl CallError {
+    pub fn maybe_applied(&self) -> bool {
+        matches!(self, CallError::Timeout(_) | CallError::Redis(_))
+    }
+}
+
+struct Script {
+    source: &'static str,
+    sha: String,
+}
+
+impl Script {
+    fn new(source: &'static str) -> Self {
+        Script {
+            source,
+            sha: fred::util::sha1_hash(source),
+        }
+    }
+}
+
+/// A pool of pipelined connections to one Redis.
+pub struct Redis {
+    pool: Pool,
+    deadline: Duration,
+    decide: Script,
+    members: Script,
+    /// The URL with any password replaced, for logs.
+    pub display_url: String,
+}
+
+/// The URL with its password (if any) replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl Redis {
+    /// Builds the pool and starts connecting in the background; never waits
+    /// for Redis, so a Redis that is down at startup does not stop the
+    /// server from starting.
+    pub fn connect(cfg: &RedisConfig) -> Result<Redis, String> {
+        let config = Config::from_url(&cfg.url)
+            .map_err(|e| format!("invalid Redis URL {}: {e}", redact_url(&cfg.url)))?;
+        let config = Config {
+            fail_fast: false,
+            ..config
+        };
+        let mut builder = Builder::from_config(config);
+        builder.with_connection_config(|c| {
+            c.connection_timeout = Duration::from_secs(2);
+            c.internal_command_timeout = Duration::from_secs(2);
+            // Never resend a script on reconnect: a resent call could count twice.
+            c.max_command_attempts = 1;
+        });
+        builder.set_policy(ReconnectPolicy::new_exponential(0, 50, 1_000, 2));
+        let pool = builder
+            .build_pool(cfg.pool_size.max(1))
+            .map_err(|e| format!("cannot build Redis pool: {e}"))?;
+        let _connections = pool.connect_pool();
+        Ok(Redis {
+            pool,
+            deadline: cfg.deadline,
+            decide: Script::new(DECIDE_LUA),
+            members: Script::new(MEMBERS_LUA),
+            display_url: redact_url(&cfg.url),
+        })
+    }
+
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// PING with a timeout; the error text says what went wrong (refused,
+    /// authentication, not a Redis server, timeout).
+    pub async fn ping(&self, timeout: Duration) -> Result<(), String> {
+        let client = self.pool.next().with_options(&Options {
+            timeout: Some(timeout),
+            max_attempts: Some(1),
+            ..Default::default()
+        });
+        match tokio::time::timeout(timeout, client.ping::<String>(None)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+        }
+    }
+
+    /// Runs a script by SHA within `deadline`, loading it on NOSCRIPT. A
+    /// call that provably never left (no connected client) is retried until
+    /// the deadline, so a Redis restart shorter than the deadline costs
+    /// latency, not an error.
+    async fn eval(
+        &self,
+        script: &Script,
+        keys: Vec<String>,
+        args: Vec<String>,
+        deadline: Duration,
+    ) -> Result<Value, CallError> {
+        let attempt = async {
+            loop {
+                match self.eval_once(script, keys.clone(), args.clone()).await {
+                    Err(CallError::NotConnected(_)) => {
+                        tokio::time::sleep(Duration::from_millis(5)).await
+                    }
+                    other => return other,
+                }
+            }
+        };
+        match tokio::time::timeout(deadline, attempt).await {
+            Ok(result) => result,
+            Err(_) => {
+                let client = self.pool.next();
+                if client.is_connected() {
+                    Err(CallError::Timeout(deadline))
+                } else {
+                    Err(CallError::NotConnected(format!(
+                        "{} ({:?})",
+                        self.display_url,
+                        client.state()
+                    )))
+                }
+            }
+        }
+    }
+
+    async fn eval_once(
+        &self,
+        script: &Script,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Value, CallError> {
+        let client = self.pool.next_connected();
+        if !client.is_connected() {
+            return Err(CallError::NotConnected(format!(
+                "{} ({:?})",
+                self.display_url,
+                client.state()
+            )));
+        }
+        let client = client.with_options(&Options {
+            max_attempts: Some(1),
+            fail_fast: true,
+            ..Default::default()
+        });
+        let result = match client
+            .evalsha::<Value, _, _, _>(&script.sha, keys.clone(), args.clone())
+            .await
+        {
+            Err(e) if e.details().starts_with("NOSCRIPT") || e.to_string().contains("NOSCRIPT") => {
+                // After SCRIPT FLUSH or a Redis restart: load and retry once.
+                match client.script_load::<String, _>(script.source).await {
+                    Ok(_) => {
+                        client
+                            .evalsha::<Value, _, _, _>(&script.sha, keys, args)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            other => other,
+        };
+        match result {
+            Ok(v) => Ok(v),
+            // Written to the socket or not, an I/O failure may have reached Redis.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::IO | ErrorKind::Canceled | ErrorKind::Timeout
+                ) =>
+            {
+                Err(CallError::Timeout(self.deadline))
+            }
+            Err(e) => Err(CallError::Redis(e.to_string())),
+        }
+    }
+
+    /// Runs the decision script. The reply is the script's flat integer array.
+    pub async fn decide(
+        &self,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Vec<i64>, CallError> {
+        let value = self.eval(&self.decide, keys, args, self.deadline).await?;
+        integers(value)
+    }
+
+    /// Runs the membership script with its own (longer) budget.
+    pub async fn members(
+        &self,
+        keys: Vec<String>,
+        args: Vec<String>,
+        deadline: Duration,
+    ) -> Result<Vec<Value>, CallError> {
+        match self.eval(&self.members, keys, args, deadline).await? {
+            Value::Array(items) => Ok(items),
+            other => Err(CallError::Reply(format!("{other:?}"))),
+        }
+    }
+
+    /// Closes the connections.
+    pub async fn quit(&self) {
+        let _ = self.pool.quit().await;
+    }
+}
+
+fn integers(value: Value) -> Result<Vec<i64>, CallError> {
+    match value {
+        Value::Array(items) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::Integer(i) => Ok(i),
+                Value::Double(d) => Ok(d as i64),
+                other => Err(CallError::Reply(format!("non-integer item {other:?}"))),
+            })
+            .collect(),
+        other => Err(CallError::Reply(format!("{other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("redis://u:secret@h:6379/0"),
+            "redis://u:***@h:6379/0"
+        );
+        assert_eq!(redact_url("rediss://secret@h:6379"), "rediss://***@h:6379");
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+    }
+}
