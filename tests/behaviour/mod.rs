@@ -98,9 +98,9 @@ macro_rules! behaviour_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
-                let (engine, guard): (std::sync::Arc<dyn leasehold::engine::Engine>, _) = $make.await;
+                // `_guard` lives to the end of the case (and through unwinding).
+                let (engine, _guard): (std::sync::Arc<dyn leasehold::engine::Engine>, _) = $make.await;
                 behaviour::$case(engine).await;
-                drop(guard);
             }
         )*
     };
