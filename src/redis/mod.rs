@@ -16,6 +16,11 @@ pub const DECIDE_LUA: &str = include_str!("decide.lua");
 /// The membership script.
 pub const MEMBERS_LUA: &str = include_str!("members.lua");
 
+/// SHA1 of the decision script, as Redis knows it (SCRIPT EXISTS).
+pub fn decide_sha() -> String {
+    fred::util::sha1_hash(DECIDE_LUA)
+}
+
 /// Connection settings.
 #[derive(Clone, Debug)]
 pub struct RedisConfig {
@@ -64,6 +69,7 @@ impl Script {
 /// A pool of pipelined connections to one Redis.
 pub struct Redis {
     pool: Pool,
+    config: Config,
     deadline: Duration,
     decide: Script,
     members: Script,
@@ -96,7 +102,7 @@ impl Redis {
             fail_fast: false,
             ..config
         };
-        let mut builder = Builder::from_config(config);
+        let mut builder = Builder::from_config(config.clone());
         builder.with_connection_config(|c| {
             c.connection_timeout = Duration::from_secs(2);
             c.internal_command_timeout = Duration::from_secs(2);
@@ -110,6 +116,7 @@ impl Redis {
         let _connections = pool.connect_pool();
         Ok(Redis {
             pool,
+            config,
             deadline: cfg.deadline,
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
@@ -129,10 +136,40 @@ impl Redis {
             max_attempts: Some(1),
             ..Default::default()
         });
-        match tokio::time::timeout(timeout, client.ping::<String>(None)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no answer within {timeout:?}")),
+        let result = match tokio::time::timeout(timeout, client.ping::<String>(None)).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {timeout:?}"),
+        };
+        Err(match self.diagnose(timeout).await {
+            Some(cause) => format!("{result}; a direct connection attempt says: {cause}"),
+            None => result,
+        })
+    }
+
+    /// One connection attempt without retries, to surface why the pool
+    /// cannot connect (refused, WRONGPASS, a peer that does not speak RESP),
+    /// which the reconnecting pool only reports as timeouts.
+    async fn diagnose(&self, timeout: Duration) -> Option<String> {
+        let config = Config {
+            fail_fast: true,
+            ..self.config.clone()
+        };
+        let mut builder = Builder::from_config(config);
+        builder.with_connection_config(|c| {
+            c.connection_timeout = timeout;
+            c.internal_command_timeout = timeout;
+            c.max_command_attempts = 1;
+        });
+        let client = builder.build().ok()?;
+        let outcome = tokio::time::timeout(timeout, client.init()).await;
+        let _ = client.quit().await;
+        match outcome {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!(
+                "no answer within {timeout:?} (is this a Redis server?)"
+            )),
         }
     }
 

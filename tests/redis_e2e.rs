@@ -1,0 +1,636 @@
+//! The Redis engine end to end: real leasehold processes on a real
+//! redis-server started on a free port. Exactness across four replicas, clock
+//! skew under libfaketime, SCRIPT FLUSH and a Redis restart mid-run, key
+//! expiry, odd descriptor values, and startup against a Redis that refuses,
+//! rejects the password or is not Redis at all. Run one test at a time.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{free_port, get, require, test_dir, wait_until, Leasehold, Proc, RedisServer};
+use leasehold::proto::common::rate_limit_descriptor::Entry;
+use leasehold::proto::common::RateLimitDescriptor;
+use leasehold::proto::rls::rate_limit_response::Code;
+use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
+use leasehold::proto::rls::{RateLimitRequest, RateLimitResponse};
+use tonic::transport::Channel;
+
+fn rules(dir: &Path, text: &str) -> PathBuf {
+    let d = dir.join("rules");
+    std::fs::create_dir_all(&d).expect("mkdir");
+    std::fs::write(d.join("rules.yaml"), text).expect("write");
+    d
+}
+
+fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: k.to_string(),
+                    value: v.to_string(),
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
+async fn client(server: &Leasehold) -> RateLimitServiceClient<Channel> {
+    RateLimitServiceClient::connect(server.grpc_uri())
+        .await
+        .expect("connect")
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Waits until at least `need_ms` remain in the current `unit_ms` window, so
+/// a counting run never straddles two windows.
+async fn wait_for_room(unit_ms: u64, need_ms: u64) {
+    let into = now_ms() % unit_ms;
+    if unit_ms - into < need_ms {
+        tokio::time::sleep(Duration::from_millis(unit_ms - into + 50)).await;
+    }
+}
+
+fn redis_env<'a>(redis: &'a str, deadline: &'a str) -> Vec<(&'a str, &'a str)> {
+    vec![
+        ("LEASEHOLD_REDIS_URL", redis),
+        ("LEASEHOLD_REDIS_DEADLINE_MS", deadline),
+        ("LEASEHOLD_MEMBERSHIP_HEARTBEAT_MS", "200"),
+        ("LEASEHOLD_MEMBERSHIP_TTL_MS", "1000"),
+    ]
+}
+
+/// Sum of the replica count fields of a window hash.
+fn window_total(redis: &RedisServer, key: &str) -> i64 {
+    let flat = redis.cli(&["HGETALL", key]);
+    let lines: Vec<&str> = flat.lines().collect();
+    lines
+        .chunks(2)
+        .filter(|p| p.len() == 2 && p[0].chars().all(|c| c.is_ascii_digit()))
+        .filter_map(|p| p[1].trim().parse::<i64>().ok())
+        .sum()
+}
+
+/// The window end (ms, server clock) a status reports, rounded to the unit.
+fn window_end(resp: &RateLimitResponse, local_now: u64, unit_ms: u64) -> u64 {
+    let reset = resp.statuses[0]
+        .duration_until_reset
+        .as_ref()
+        .map(|d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000)
+        .unwrap_or(0);
+    ((local_now + reset + unit_ms / 2) / unit_ms) * unit_ms
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_replicas_admit_exactly_the_limit() {
+    let dir = test_dir("exact");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: exact\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n");
+    let mut replicas = Vec::new();
+    for i in 1..=4 {
+        let id = format!("r{i}");
+        replicas.push(Leasehold::start(
+            &id,
+            &r,
+            &["--replica-id", &id],
+            &redis_env(&url, "300"),
+            &dir,
+        ));
+    }
+    // Every replica sees four live members.
+    for rep in &replicas {
+        let addr = rep.http;
+        let ok = tokio::task::spawn_blocking(move || {
+            wait_until(Duration::from_secs(5), || {
+                get(addr, "/status")
+                    .ok()
+                    .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
+                    .and_then(|v| {
+                        v["engine"]["membership"]["live"]
+                            .as_array()
+                            .map(|a| a.len())
+                    })
+                    == Some(4)
+            })
+        })
+        .await
+        .expect("join");
+        assert!(ok, "four live members on /status");
+    }
+    let mut clients = Vec::new();
+    for rep in &replicas {
+        clients.push(client(rep).await);
+    }
+    wait_for_room(60_000, 20_000).await;
+
+    let total_calls = 1_600u64;
+    let issued = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for caller in 0..64usize {
+        let mut c = clients[caller % 4].clone();
+        let issued = issued.clone();
+        tasks.spawn(async move {
+            let mut seen = Vec::new();
+            while issued.fetch_add(1, Ordering::SeqCst) < total_calls {
+                let r = c.should_rate_limit(request("exact", &[("k", "hot")])).await;
+                seen.push(
+                    r.map(|r| (now_ms(), r.into_inner()))
+                        .map_err(|s| s.to_string()),
+                );
+            }
+            seen
+        });
+    }
+    let mut ok = 0u64;
+    let mut over = 0u64;
+    let mut errors = Vec::new();
+    let mut windows = std::collections::BTreeSet::new();
+    while let Some(res) = tasks.join_next().await {
+        for r in res.expect("join") {
+            match r {
+                Ok((t, resp)) => {
+                    windows.insert(window_end(&resp, t, 60_000));
+                    if resp.overall_code == Code::Ok as i32 {
+                        ok += 1;
+                    } else {
+                        over += 1;
+                    }
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "client errors: {:?}",
+        &errors[..errors.len().min(5)]
+    );
+    assert_eq!(
+        windows.len(),
+        1,
+        "the run stayed in one window: {windows:?}"
+    );
+    assert_eq!((ok, over), (1_000, 600), "exactly the limit admitted");
+    let window_index = windows
+        .iter()
+        .next()
+        .map(|end| end / 60_000 - 1)
+        .unwrap_or(0);
+    let key = format!("lh:{{exact}}|k=hot#60:fw@{window_index}");
+    assert_eq!(
+        window_total(&redis, &key),
+        1_000,
+        "Redis holds exactly the grants"
+    );
+    // Each replica wrote its own field.
+    let fields = redis.cli(&["HKEYS", &key]);
+    assert_eq!(
+        fields
+            .lines()
+            .filter(|f| f.chars().all(|c| c.is_ascii_digit()))
+            .count(),
+        4,
+        "{fields}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_skew_changes_nothing() {
+    let faketime = require("faketime");
+    let dir = test_dir("skew");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: skew\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 12}\n");
+    let normal = Leasehold::start(
+        "normal",
+        &r,
+        &["--replica-id", "normal"],
+        &redis_env(&url, "500"),
+        &dir,
+    );
+
+    // The skewed replicas run under libfaketime; leasehold keeps the system
+    // allocator, which libfaketime works with.
+    let mut skewed = Vec::new();
+    for (name, offset) in [("ahead", "+30s"), ("behind", "-30s")] {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let http = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(&faketime);
+        cmd.arg("-f")
+            .arg(offset)
+            .arg(common::leasehold_bin())
+            .args(["serve", "--rules"])
+            .arg(&r)
+            .args([
+                "--grpc-addr",
+                &grpc,
+                "--http-addr",
+                &http,
+                "--replica-id",
+                name,
+                "--log-format",
+                "json",
+            ]);
+        for (k, v) in redis_env(&url, "500") {
+            cmd.env(k, v);
+        }
+        let proc = Proc::spawn(name, &mut cmd, &dir);
+        let http_addr: std::net::SocketAddr = http.parse().expect("addr");
+        let up = tokio::task::spawn_blocking(move || {
+            wait_until(Duration::from_secs(20), || {
+                get(http_addr, "/readyz")
+                    .map(|r| r.status == 200)
+                    .unwrap_or(false)
+            })
+        })
+        .await
+        .expect("join");
+        assert!(
+            up,
+            "{name} under faketime did not start:\n{}",
+            proc.log_text()
+        );
+        skewed.push((name, offset, proc, grpc));
+    }
+    // Prove the fake clocks took effect: their log timestamps are ±30 s off.
+    for (name, offset, proc, _) in &skewed {
+        let log = proc.log_text();
+        let line = log
+            .lines()
+            .find(|l| l.contains("\"timestamp\""))
+            .unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+        let ts = v["timestamp"].as_str().unwrap_or_default().to_string();
+        let out = Command::new("date")
+            .args(["-d", &ts, "+%s"])
+            .output()
+            .expect("date");
+        let logged: i64 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        let skew = logged - (now_ms() / 1000) as i64;
+        let want = if offset.starts_with('+') { 30 } else { -30 };
+        assert!(
+            (skew - want).abs() <= 5,
+            "{name}: logged clock is {skew}s off, expected {want}s ({line})"
+        );
+    }
+
+    let mut all = vec![client(&normal).await];
+    for (_, _, _, grpc) in &skewed {
+        all.push(
+            RateLimitServiceClient::connect(format!("http://{grpc}"))
+                .await
+                .expect("connect"),
+        );
+    }
+    wait_for_room(60_000, 10_000).await;
+    let mut resets = Vec::new();
+    for i in 0..15u32 {
+        let c = &mut all[(i as usize) % 3];
+        let resp = c
+            .should_rate_limit(request("skew", &[("k", "shared")]))
+            .await
+            .expect("call")
+            .into_inner();
+        let s = &resp.statuses[0];
+        if i < 12 {
+            assert_eq!(
+                (resp.overall_code, s.limit_remaining),
+                (Code::Ok as i32, 11 - i),
+                "call {i} via replica {}",
+                i % 3
+            );
+        } else {
+            assert_eq!(resp.overall_code, Code::OverLimit as i32, "call {i}");
+        }
+        let d = s.duration_until_reset.as_ref().expect("reset");
+        resets.push((now_ms(), d.seconds * 1000 + i64::from(d.nanos) / 1_000_000));
+    }
+    // Every replica reports the same window end (Redis time), within the
+    // time between calls.
+    let ends: Vec<i64> = resets.iter().map(|(t, r)| *t as i64 + r).collect();
+    let spread = ends.iter().max().unwrap_or(&0) - ends.iter().min().unwrap_or(&0);
+    assert!(
+        spread < 500,
+        "window ends disagree by {spread} ms: {ends:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_mid_run_causes_no_client_error() {
+    let dir = test_dir("flush");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n");
+    let server = Leasehold::start(
+        "leasehold",
+        &r,
+        &["--replica-id", "f1"],
+        &redis_env(&url, "3000"),
+        &dir,
+    );
+    let mut tasks = tokio::task::JoinSet::new();
+    let stop_at = Instant::now() + Duration::from_secs(5);
+    for i in 0..8 {
+        let mut c = client(&server).await;
+        tasks.spawn(async move {
+            let (mut ok, mut errors) = (0u64, Vec::new());
+            while Instant::now() < stop_at {
+                match c
+                    .should_rate_limit(request("flush", &[("k", &format!("v{i}"))]))
+                    .await
+                {
+                    Ok(_) => ok += 1,
+                    Err(e) => errors.push(e.to_string()),
+                }
+            }
+            (ok, errors)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    let (mut ok, mut errors) = (0, Vec::new());
+    while let Some(r) = tasks.join_next().await {
+        let (o, e) = r.expect("join");
+        ok += o;
+        errors.extend(e);
+    }
+    assert!(
+        errors.is_empty(),
+        "{} client errors, first: {:?}",
+        errors.len(),
+        errors.first()
+    );
+    assert!(ok > 100, "the load ran: {ok} calls");
+    // The scripts were reloaded: the engine still counts.
+    let mut c = client(&server).await;
+    let resp = c
+        .should_rate_limit(request("flush", &[("k", "after")]))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 999_999);
+    let loaded = redis.cli(&["SCRIPT", "EXISTS", &leasehold::redis::decide_sha()]);
+    assert_eq!(loaded.trim(), "1", "script loaded again by SHA");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_after_their_window_and_margin() {
+    let dir = test_dir("expire");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(
+        &dir,
+        "domain: exp\ndescriptors:\n  - key: fw\n    rate_limit: {unit: second, requests_per_unit: 10}\n  - key: sw\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: sliding_window}\n  - key: sl\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: sliding_log}\n  - key: tb\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: token_bucket}\n",
+    );
+    let mut env = redis_env(&url, "500");
+    env.push(("LEASEHOLD_REDIS_EXPIRY_MARGIN_MS", "500"));
+    let server = Leasehold::start("leasehold", &r, &["--replica-id", "e1"], &env, &dir);
+    let mut c = client(&server).await;
+    for k in ["fw", "sw", "sl", "tb"] {
+        for _ in 0..3 {
+            c.should_rate_limit(request("exp", &[(k, "x")]))
+                .await
+                .expect("call");
+        }
+    }
+    let counters = |keys: Vec<String>| {
+        keys.into_iter()
+            .filter(|k| k.starts_with("lh:{exp}"))
+            .collect::<Vec<_>>()
+    };
+    let before = counters(redis.keys());
+    for k in ["fw", "sw", "sl", "tb"] {
+        assert!(
+            before.iter().any(|key| key.contains(&format!("|{k}=x#1:"))),
+            "{k} key present: {before:?}"
+        );
+    }
+    // Every key has a TTL.
+    for key in &before {
+        let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap_or(-9);
+        assert!(ttl > 0 && ttl <= 2_500, "{key} has PTTL {ttl}");
+    }
+    drop(c);
+    drop(server);
+    // Longest natural life: sliding window, 2 units + margin.
+    tokio::time::sleep(Duration::from_millis(2_700)).await;
+    let after = redis.keys();
+    assert!(
+        counters(after.clone()).is_empty(),
+        "counter keys left: {after:?}"
+    );
+    // What remains is the membership registry, which itself expires a day
+    // after the last heartbeat.
+    for key in &after {
+        assert!(key.starts_with("lh:{leasehold}:"), "unexpected key {key}");
+        let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap_or(-9);
+        assert!(ttl > 0, "{key} has no TTL");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_values_map_to_distinct_keys_and_round_trip() {
+    let dir = test_dir("odd");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(
+        &dir,
+        "domain: odd\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n    descriptors:\n      - key: k\n        rate_limit: {unit: hour, requests_per_unit: 2}\n",
+    );
+    let server = Leasehold::start(
+        "leasehold",
+        &r,
+        &["--replica-id", "o1"],
+        &redis_env(&url, "500"),
+        &dir,
+    );
+    let mut c = client(&server).await;
+    let kib = "ä".repeat(512);
+    let values: Vec<String> = vec![
+        "a|k=b".into(),
+        "a%7Ck%3Db".into(),
+        "a".into(),
+        "{tag}".into(),
+        "}".into(),
+        "{".into(),
+        "sp ace".into(),
+        "new\nline".into(),
+        "ünïcødé 日本".into(),
+        "".into(),
+        "%".into(),
+        "#60:fw".into(),
+        kib.clone(),
+    ];
+    for v in &values {
+        for want in [1u32, 0] {
+            let resp = c
+                .should_rate_limit(request("odd", &[("k", v)]))
+                .await
+                .expect("call")
+                .into_inner();
+            assert_eq!(
+                (resp.overall_code, resp.statuses[0].limit_remaining),
+                (Code::Ok as i32, want),
+                "value {v:?}"
+            );
+        }
+        let resp = c
+            .should_rate_limit(request("odd", &[("k", v)]))
+            .await
+            .expect("call")
+            .into_inner();
+        assert_eq!(resp.overall_code, Code::OverLimit as i32, "value {v:?}");
+    }
+    // Two entries "a" then "b" are not the one value "a|k=b".
+    let resp = c
+        .should_rate_limit(request("odd", &[("k", "a"), ("k", "b")]))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 1);
+    let keys: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|k| k.starts_with("lh:{odd}"))
+        .collect();
+    assert_eq!(
+        keys.len(),
+        values.len() + 1,
+        "one key per distinct descriptor: {keys:?}"
+    );
+    assert!(
+        keys.iter().any(|k| k.contains(&kib)),
+        "1 KiB value kept verbatim (escaping only separators)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
+    let dir = test_dir("startup-redis");
+    let r = rules(&dir, "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n");
+
+    // Nothing listens: serves, says so, and a call gets a clear UNAVAILABLE.
+    let refused = format!("redis://127.0.0.1:{}", free_port());
+    let started = Instant::now();
+    let server = Leasehold::start(
+        "refused",
+        &r,
+        &["--replica-id", "s1"],
+        &redis_env(&refused, "100"),
+        &dir,
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        server.proc.log_text().contains("Redis is not answering"),
+        "{}",
+        server.proc.log_text()
+    );
+    let mut c = client(&server).await;
+    let err = c
+        .should_rate_limit(request("s", &[("k", "v")]))
+        .await
+        .expect_err("unavailable");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    drop(server);
+
+    // Wrong password: a log line that says so, not a hang.
+    let redis = RedisServer::start_with("redis-auth", &dir, &["--requirepass", "right-password"]);
+    let wrong = format!("redis://:wrong-password@127.0.0.1:{}", redis.port);
+    let started = Instant::now();
+    let server = Leasehold::start(
+        "wrongpass",
+        &r,
+        &["--replica-id", "s2"],
+        &redis_env(&wrong, "100"),
+        &dir,
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let log = server.proc.log_text();
+    assert!(
+        log.to_lowercase().contains("wrongpass") || log.to_lowercase().contains("password"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("wrong-password"),
+        "the password is never logged: {log}"
+    );
+    drop(server);
+
+    // Not Redis: an HTTP server's port.
+    let other = Leasehold::start("plain", &r, &[], &[], &dir);
+    let not_redis = format!("redis://127.0.0.1:{}", other.http.port());
+    let started = Instant::now();
+    let server = Leasehold::start(
+        "notredis",
+        &r,
+        &["--replica-id", "s3"],
+        &redis_env(&not_redis, "100"),
+        &dir,
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        server.proc.log_text().contains("Redis is not answering"),
+        "{}",
+        server.proc.log_text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_duplicate_replica_id_is_refused() {
+    let dir = test_dir("dup");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n");
+    let _first = Leasehold::start(
+        "first",
+        &r,
+        &["--replica-id", "same"],
+        &redis_env(&url, "500"),
+        &dir,
+    );
+    let mut cmd = Command::new(common::leasehold_bin());
+    cmd.args(["serve", "--rules"]).arg(&r).args([
+        "--grpc-addr",
+        &format!("127.0.0.1:{}", free_port()),
+        "--http-addr",
+        &format!("127.0.0.1:{}", free_port()),
+        "--replica-id",
+        "same",
+    ]);
+    for (k, v) in redis_env(&url, "500") {
+        cmd.env(k, v);
+    }
+    let mut second = Proc::spawn("second", &mut cmd, &dir);
+    let status = tokio::task::block_in_place(|| second.wait_exit(Duration::from_secs(15)));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "second replica with the same id must exit non-zero:\n{}",
+        second.log_text()
+    );
+    assert!(
+        second.log_text().contains("already used by a live replica"),
+        "{}",
+        second.log_text()
+    );
+}
