@@ -212,7 +212,18 @@ async fn four_replicas_admit_exactly_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clock_skew_changes_nothing() {
-    let faketime = require("faketime");
+    // libfaketime is preloaded into leasehold itself (not through the
+    // `faketime` wrapper, which forks), so the test stops it by its own pid.
+    require("faketime");
+    let libfaketime = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/faketime/libfaketimeMT.so.1",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.exists())
+    .expect("libfaketime (Debian package faketime) is required: run tests/run.sh");
     let dir = test_dir("skew");
     let redis = RedisServer::start("redis", &dir);
     let url = redis.url();
@@ -231,10 +242,10 @@ async fn clock_skew_changes_nothing() {
     for (name, offset) in [("ahead", "+30s"), ("behind", "-30s")] {
         let grpc = format!("127.0.0.1:{}", free_port());
         let http = format!("127.0.0.1:{}", free_port());
-        let mut cmd = Command::new(&faketime);
-        cmd.arg("-f")
-            .arg(offset)
-            .arg(common::leasehold_bin())
+        let mut cmd = Command::new(common::leasehold_bin());
+        cmd.env("LD_PRELOAD", &libfaketime)
+            .env("FAKETIME", offset)
+            .env("FAKETIME_DONT_RESET", "1")
             .args(["serve", "--rules"])
             .arg(&r)
             .args([
