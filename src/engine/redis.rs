@@ -127,6 +127,43 @@ fn role_code(r: Role) -> u8 {
     }
 }
 
+/// One charge's part of a script reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawItem {
+    pub over: bool,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    /// This replica's count for the key's window(s) after the call; -1 when
+    /// the algorithm keeps none (sliding log).
+    pub own: i64,
+    pub total: i64,
+    /// What the call changed this replica's field by (0 when denied).
+    pub delta: i64,
+}
+
+/// A decoded script reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawReply {
+    /// Redis time of the call.
+    pub now_ms: u64,
+    pub denied: bool,
+    /// An own field was below what this replica knew: Redis lost data.
+    pub lost: bool,
+    pub items: Vec<RawItem>,
+}
+
+/// One (counter, window) whose own count replay sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayEntry {
+    pub key: CounterKey,
+    pub spec: crate::limit::LimitSpec,
+    pub window: u64,
+    pub own: i64,
+}
+
+/// Replay entries per script call (one call holds one hash slot's keys).
+const REPLAY_BATCH: usize = 200;
+
 impl RedisEngine {
     pub fn new(
         redis: Arc<Redis>,
@@ -155,36 +192,52 @@ impl RedisEngine {
         &self.membership
     }
 
+    pub fn redis(&self) -> &Arc<Redis> {
+        &self.redis
+    }
+
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::SeqCst)
     }
 
-    fn args(&self, batch: &Batch, index: u64) -> (Vec<String>, Vec<String>) {
+    /// Raises the epoch: every call issued before is fenced out of keys the
+    /// next replay rewrites.
+    pub fn bump_epoch(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn args(&self, batch: &Batch, index: u64, expected: &[i64]) -> (Vec<String>, Vec<String>) {
         let keys = batch
             .charges
             .iter()
             .map(|c| keys::counter_base(&self.prefix, &c.key))
             .collect();
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let mut args = Vec::with_capacity(5 + 6 * batch.charges.len());
+        let mut args = Vec::with_capacity(5 + 7 * batch.charges.len());
         args.push(index.to_string());
         args.push(self.epoch().to_string());
         args.push(if batch.never_deny { "1" } else { "0" }.to_string());
         args.push(self.margin_ms.to_string());
         args.push(format!("{}.{call}", self.boot));
-        for c in &batch.charges {
+        for (i, c) in batch.charges.iter().enumerate() {
             args.push(algorithm_code(c.spec.algorithm).to_string());
             args.push(c.spec.requests_per_unit.to_string());
             args.push(c.spec.unit.millis().to_string());
             args.push(c.spec.burst.to_string());
             args.push(c.hits.min(MAX_HITS).to_string());
             args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
+            args.push(expected.get(i).copied().unwrap_or(-1).to_string());
         }
         (keys, args)
     }
 
-    async fn call(&self, batch: &Batch, index: u64) -> Result<Vec<i64>, CallError> {
-        let (keys, args) = self.args(batch, index);
+    async fn call(
+        &self,
+        batch: &Batch,
+        index: u64,
+        expected: &[i64],
+    ) -> Result<Vec<i64>, CallError> {
+        let (keys, args) = self.args(batch, index, expected);
         let result = self.redis.decide(keys, args).await;
         if let Err(e) = &result {
             if e.maybe_applied() {
@@ -195,31 +248,98 @@ impl RedisEngine {
         result
     }
 
-    fn parse(&self, batch: &Batch, reply: &[i64]) -> Result<BatchOutcome, EngineError> {
+    /// One decision in Redis. `expected[i]` is this replica's known own count
+    /// for charge i's current window (-1 unknown), for data-loss detection.
+    pub async fn decide_raw(&self, batch: &Batch, expected: &[i64]) -> Result<RawReply, CallError> {
+        let Some(index) = self.membership.index() else {
+            return Err(CallError::NotConnected(
+                "this replica is not registered with Redis yet".into(),
+            ));
+        };
+        let mut reply = self.call(batch, index, expected).await?;
+        if reply.first() == Some(&-1) {
+            // Fenced: a rewrite happened after this call's epoch was read.
+            reply = self.call(batch, index, expected).await?;
+            if reply.first() == Some(&-1) {
+                return Err(CallError::Reply(
+                    "call fenced twice by a concurrent rewrite".into(),
+                ));
+            }
+        }
         let n = batch.charges.len();
-        if reply.len() != 3 + 5 * n {
-            return Err(EngineError::Backend(format!(
+        if reply.len() != 4 + 6 * n {
+            return Err(CallError::Reply(format!(
                 "script reply has {} items, expected {}",
                 reply.len(),
-                3 + 5 * n
+                4 + 6 * n
             )));
         }
-        let denied = reply[2] == 1;
         let mut items = Vec::with_capacity(n);
         for (i, charge) in batch.charges.iter().enumerate() {
-            let r = &reply[3 + 5 * i..8 + 5 * i];
+            let r = &reply[4 + 6 * i..10 + 6 * i];
             self.demand.record(&charge.key, r[3], r[4]);
-            items.push(ItemOutcome {
+            items.push(RawItem {
                 over: r[0] == 1,
                 remaining: r[1].max(0) as u64,
                 reset_ms: r[2].max(0) as u64,
+                own: r[3],
+                total: r[4],
+                delta: r[5],
             });
         }
-        Ok(BatchOutcome {
+        Ok(RawReply {
+            now_ms: reply[1].max(0) as u64,
+            denied: reply[2] == 1,
+            lost: reply[3] == 1,
             items,
-            denied,
-            path: DecisionPath::Redis,
         })
+    }
+
+    /// Sets this replica's own count for each (counter, window), fenced at a
+    /// fresh epoch. Returns how many entries were still live and written.
+    pub async fn replay(
+        &self,
+        entries: &[ReplayEntry],
+        deadline: std::time::Duration,
+    ) -> Result<u64, CallError> {
+        let Some(index) = self.membership.index() else {
+            return Err(CallError::NotConnected(
+                "this replica is not registered with Redis yet".into(),
+            ));
+        };
+        let epoch = self.bump_epoch();
+        // Group by hash tag (the domain) so each call stays in one slot.
+        let mut groups: HashMap<&str, Vec<&ReplayEntry>> = HashMap::new();
+        for e in entries {
+            let s = e.key.as_str();
+            let tag = &s[..s.find(['|', '#']).unwrap_or(s.len())];
+            groups.entry(tag).or_default().push(e);
+        }
+        let mut applied = 0;
+        for group in groups.values() {
+            for chunk in group.chunks(REPLAY_BATCH) {
+                let keys = chunk
+                    .iter()
+                    .map(|e| keys::counter_base(&self.prefix, &e.key))
+                    .collect();
+                let mut args = vec![
+                    index.to_string(),
+                    epoch.to_string(),
+                    self.margin_ms.to_string(),
+                ];
+                for e in chunk {
+                    args.push(algorithm_code(e.spec.algorithm).to_string());
+                    args.push(e.spec.unit.millis().to_string());
+                    args.push(e.window.to_string());
+                    args.push(e.own.to_string());
+                    args.push(e.spec.requests_per_unit.to_string());
+                    args.push(e.spec.burst.to_string());
+                }
+                let reply = self.redis.replay(keys, args, deadline).await?;
+                applied += reply.first().copied().unwrap_or(0).max(0) as u64;
+            }
+        }
+        Ok(applied)
     }
 }
 
@@ -230,22 +350,20 @@ fn unavailable(e: CallError) -> EngineError {
 #[async_trait]
 impl Engine for RedisEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
-        let Some(index) = self.membership.index() else {
-            return Err(EngineError::Unavailable(
-                "this replica is not registered with Redis yet".into(),
-            ));
-        };
-        let mut reply = self.call(batch, index).await.map_err(unavailable)?;
-        if reply.first() == Some(&-1) {
-            // Fenced: a rewrite happened after this call's epoch was read.
-            reply = self.call(batch, index).await.map_err(unavailable)?;
-            if reply.first() == Some(&-1) {
-                return Err(EngineError::Unavailable(
-                    "call fenced twice by a concurrent rewrite".into(),
-                ));
-            }
-        }
-        self.parse(batch, &reply)
+        let reply = self.decide_raw(batch, &[]).await.map_err(unavailable)?;
+        Ok(BatchOutcome {
+            items: reply
+                .items
+                .iter()
+                .map(|i| ItemOutcome {
+                    over: i.over,
+                    remaining: i.remaining,
+                    reset_ms: i.reset_ms,
+                })
+                .collect(),
+            denied: reply.denied,
+            path: DecisionPath::Redis,
+        })
     }
 
     fn name(&self) -> &'static str {

@@ -73,6 +73,17 @@ pub struct Outcome {
     /// Time after which the returned state equals a fresh one and can be
     /// dropped.
     pub expires_at_ms: u64,
+    /// What the charge changes the key's count by when committed (negative
+    /// for refunds; tokens drawn for a bucket). Replay adds these up.
+    pub delta: i64,
+}
+
+fn signed(after: u64, before: u64) -> i64 {
+    if after >= before {
+        i64::try_from(after - before).unwrap_or(i64::MAX)
+    } else {
+        -i64::try_from(before - after).unwrap_or(i64::MAX)
+    }
 }
 
 /// Start of the epoch-aligned window containing `now_ms`.
@@ -117,6 +128,7 @@ pub fn evaluate(
                     remaining_after: if over { 0 } else { limit.saturating_sub(after) },
                     reset_ms: end - now_ms,
                     expires_at_ms: end,
+                    delta: signed(after, count),
                 },
                 State::Fixed {
                     window_start_ms: start,
@@ -162,6 +174,7 @@ pub fn evaluate(
                     reset_ms: end - now_ms,
                     // The current count still weighs on the next window.
                     expires_at_ms: end + unit_ms,
+                    delta: signed(current_after, current),
                 },
                 State::Sliding {
                     window_start_ms: start,
@@ -217,6 +230,7 @@ pub fn evaluate(
                     remaining_after: if over { 0 } else { limit.saturating_sub(after) },
                     reset_ms: (oldest + unit_ms).saturating_sub(now_ms).max(1),
                     expires_at_ms: newest + unit_ms,
+                    delta: signed(after, count),
                 },
                 State::Log { entries },
             )
@@ -241,6 +255,7 @@ pub fn evaluate(
                     remaining_after: if over { 0 } else { tokens_after.floor() as u64 },
                     reset_ms: full_in.max(1),
                     expires_at_ms: now_ms + full_in,
+                    delta: (tokens_now - tokens_after).round() as i64,
                 },
                 State::Bucket {
                     tokens: tokens_after,

@@ -9,14 +9,20 @@
 -- ARGV[3]  never_deny: "1" in global shadow mode
 -- ARGV[4]  expiry margin in ms, added to every key's natural lifetime
 -- ARGV[5]  call id, unique per replica incarnation (sliding-log member ids)
--- ARGV[6 + 6*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
+-- ARGV[6 + 7*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
---          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota)
+--          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota),
+--          expected: this replica's own count in the current window as it
+--          knows it (-1 unknown). A field below it means Redis lost data.
 --
--- Reply: {status, now_ms, denied, then per charge: over, remaining, reset_ms,
---         own, total}. status 1 = applied or denied; -1 = stale: this
---         replica's epoch is below a fence on one of the keys, so nothing was
---         read or written and the caller must not count this call.
+-- Reply: {status, now_ms, denied, lost, then per charge: over, remaining,
+--         reset_ms, own, total, delta}. status 1 = applied or denied; -1 =
+--         stale: this replica's epoch is below a fence on one of the keys, so
+--         nothing was written and the caller must not count this call. lost
+--         = 1 when an own field was below what the replica knew it to be
+--         (Redis restarted empty or failed over): the replica re-asserts its
+--         counts. delta: what the charge changed this replica's field by
+--         (0 when denied).
 --
 -- Counter layout (fixed and sliding window): one hash per (counter, window),
 -- "<base>@<window index>", with one field per replica index holding that
@@ -64,12 +70,13 @@ local function window(key)
 end
 
 local stale = false
+local lost = false
 local results = {}
 local writes = {}
 local roles = {}
 
 for i = 1, n do
-  local o = 6 + 6 * (i - 1)
+  local o = 6 + 7 * (i - 1)
   local algo = tonumber(ARGV[o])
   local limit = tonumber(ARGV[o + 1])
   local unit = tonumber(ARGV[o + 2])
@@ -77,15 +84,17 @@ for i = 1, n do
   local hits = tonumber(ARGV[o + 4])
   local flags = tonumber(ARGV[o + 5])
   local refund = flags % 2 == 1
+  local expected = tonumber(ARGV[o + 6])
   roles[i] = math.floor(flags / 2)
   local base = KEYS[i]
-  local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0}
+  local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0, delta = 0}
 
   if algo == 1 or algo == 2 then
     local w = math.floor(now / unit)
     local key = base .. '@' .. w
     local cur = window(key)
     if cur.fence > epoch then stale = true end
+    if expected >= 0 and cur.own < expected then lost = true end
     local weighted = 0
     local prev_own = 0
     local prev_total = 0
@@ -114,6 +123,7 @@ for i = 1, n do
     r.reset = (w + 1) * unit - now
     cur.total = cur.total + delta
     cur.own = cur.own + delta
+    r.delta = delta
     r.own = cur.own + prev_own
     r.total = cur.total + prev_total
     local expire_at = (w + 1) * unit + margin
@@ -136,6 +146,7 @@ for i = 1, n do
       local k = math.min(hits, count)
       after = count - k
       if k > 0 then writes[#writes + 1] = {'zpop', base, k} end
+      r.delta = -k
     else
       after = count + hits
       if after > limit then r.over = 1 end
@@ -144,6 +155,7 @@ for i = 1, n do
       if m > 0 then
         writes[#writes + 1] = {'zadd', base, m, i, now + unit + margin}
       end
+      r.delta = m
     end
     st.count = after
     r.rem_now = math.max(0, limit - count)
@@ -191,6 +203,7 @@ for i = 1, n do
     local w = math.floor(now / unit)
     local ckey = base .. '@' .. w
     local use = window(ckey)
+    if expected >= 0 and use.own < expected then lost = true end
     -- What this charge drew from the bucket: its hits when admitted, what
     -- was left when charged past empty (shadow); always an integer.
     local consumed = 0
@@ -201,13 +214,14 @@ for i = 1, n do
     use.own = use.own + consumed
     r.own = use.own
     r.total = use.total
+    r.delta = consumed
     writes[#writes + 1] = {'bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin}
   end
   results[i] = r
 end
 
 if stale then
-  return {-1, now, 0}
+  return {-1, now, 0, 0}
 end
 
 local enforce_over = false
@@ -255,7 +269,7 @@ if not denied then
   end
 end
 
-local reply = {1, now, denied and 1 or 0}
+local reply = {1, now, denied and 1 or 0, lost and 1 or 0}
 for i = 1, n do
   local r = results[i]
   local remaining = r.rem_after
@@ -269,5 +283,6 @@ for i = 1, n do
   reply[#reply + 1] = r.reset
   reply[#reply + 1] = r.own
   reply[#reply + 1] = r.total
+  reply[#reply + 1] = denied and 0 or r.delta
 end
 return reply

@@ -15,6 +15,8 @@ use fred::types::config::{Options, ReconnectPolicy};
 pub const DECIDE_LUA: &str = include_str!("decide.lua");
 /// The membership script.
 pub const MEMBERS_LUA: &str = include_str!("members.lua");
+/// The replay script.
+pub const REPLAY_LUA: &str = include_str!("replay.lua");
 
 /// SHA1 of the decision script, as Redis knows it (SCRIPT EXISTS).
 pub fn decide_sha() -> String {
@@ -73,6 +75,7 @@ pub struct Redis {
     deadline: Duration,
     decide: Script,
     members: Script,
+    replay: Script,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
 }
@@ -120,6 +123,7 @@ impl Redis {
             deadline: cfg.deadline,
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
+            replay: Script::new(REPLAY_LUA),
             display_url: redact_url(&cfg.url),
         })
     }
@@ -269,6 +273,17 @@ impl Redis {
         args: Vec<String>,
     ) -> Result<Vec<i64>, CallError> {
         let value = self.eval(&self.decide, keys, args, self.deadline).await?;
+        integers(value)
+    }
+
+    /// Runs the replay script with its own budget (off the request path).
+    pub async fn replay(
+        &self,
+        keys: Vec<String>,
+        args: Vec<String>,
+        deadline: Duration,
+    ) -> Result<Vec<i64>, CallError> {
+        let value = self.eval(&self.replay, keys, args, deadline).await?;
         integers(value)
     }
 
