@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::clock::{Clock, SystemClock};
-use crate::engine::{Engine, MemoryEngine, RedisEngine};
+use crate::engine::{Engine, MemoryEngine, RedisEngine, ResilientEngine};
 use crate::grpc::{RlsService, HEALTH_NAMES};
 use crate::http::{self, Health, HttpState, ReloadStatus};
 use crate::limiter::{Limiter, RulesHandle};
@@ -63,9 +63,15 @@ pub async fn run(
         None => (memory.clone(), None),
         Some(url) => {
             let boot = format!("{:x}", clock.now_ms());
-            let (engine, redis) = redis_engine(&settings, url, &replica_id, boot).await?;
-            tasks.spawn(engine.membership().clone().run(stop_rx.clone()));
-            (engine, Some(redis))
+            let (redis_engine, redis) = redis_engine(&settings, url, &replica_id, boot).await?;
+            tasks.spawn(redis_engine.membership().clone().run(stop_rx.clone()));
+            let resilient = Arc::new(ResilientEngine::new(
+                redis_engine,
+                clock.clone(),
+                settings.resilient(),
+            ));
+            tasks.spawn(resilient.clone().run(stop_rx.clone()));
+            (resilient, Some(redis))
         }
     };
 

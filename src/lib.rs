@@ -14,6 +14,7 @@
 //!   [`cli`]: the `query` and `bench` client commands; [`clock`]: time.
 
 pub mod app;
+pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod deploy;
@@ -23,6 +24,7 @@ pub mod http;
 pub mod limit;
 pub mod limiter;
 pub mod proto;
+pub mod reconcile;
 pub mod redis;
 pub mod rules;
 pub mod settings;

@@ -62,6 +62,18 @@ pub struct Settings {
     pub membership_heartbeat_ms: u64,
     /// A replica silent for this long is no longer a live member, in milliseconds.
     pub membership_ttl_ms: u64,
+    /// Consecutive failed or late Redis calls that trip the breaker.
+    pub breaker_failures: u32,
+    /// How often a tripped breaker probes Redis, in milliseconds.
+    pub breaker_probe_interval_ms: u64,
+    /// Random spread (±) on the probe interval, in milliseconds.
+    pub breaker_probe_jitter_ms: u64,
+    /// The floor of a replica's demand-based lease share (0..1/N).
+    pub lease_min_share: f64,
+    /// Live replicas to assume before first contact with Redis.
+    pub replicas_hint: usize,
+    /// Most keys the replay ledger tracks.
+    pub ledger_max_keys: usize,
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "leasehold=debug".
     pub log_level: String,
     /// "text" or "json".
@@ -98,6 +110,12 @@ impl Default for Settings {
             replica_id: None,
             membership_heartbeat_ms: 1_000,
             membership_ttl_ms: 5_000,
+            breaker_failures: 3,
+            breaker_probe_interval_ms: 500,
+            breaker_probe_jitter_ms: 200,
+            lease_min_share: 0.025,
+            replicas_hint: 1,
+            ledger_max_keys: 200_000,
             log_level: "info".into(),
             log_format: "text".into(),
         }
@@ -208,6 +226,26 @@ impl Settings {
                 return Err(invalid(key, "must be greater than 0"));
             }
         }
+        if self.breaker_failures == 0 {
+            return Err(invalid("breaker_failures", "must be at least 1"));
+        }
+        if self.breaker_probe_interval_ms == 0
+            || self.breaker_probe_jitter_ms >= self.breaker_probe_interval_ms
+        {
+            return Err(invalid(
+                "breaker_probe_interval_ms",
+                "must be positive and larger than breaker_probe_jitter_ms",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.lease_min_share) {
+            return Err(invalid("lease_min_share", "must be between 0 and 1"));
+        }
+        if self.replicas_hint == 0 || self.ledger_max_keys == 0 {
+            return Err(invalid(
+                "replicas_hint",
+                "replicas_hint and ledger_max_keys must be at least 1",
+            ));
+        }
         if self.membership_ttl_ms <= self.membership_heartbeat_ms {
             return Err(invalid(
                 "membership_ttl_ms",
@@ -247,6 +285,21 @@ impl Settings {
             max_descriptors: self.max_descriptors,
             max_entries: self.max_entries,
             max_entry_bytes: self.max_entry_bytes,
+        }
+    }
+
+    pub fn resilient(&self) -> crate::engine::resilient::ResilientConfig {
+        crate::engine::resilient::ResilientConfig {
+            deadline_ms: self.redis_deadline_ms,
+            expiry_margin_ms: self.redis_expiry_margin_ms,
+            lease_min_share: self.lease_min_share,
+            replicas_hint: self.replicas_hint,
+            ledger_max_keys: self.ledger_max_keys,
+            breaker: crate::breaker::BreakerConfig {
+                failures_to_trip: self.breaker_failures,
+                probe_interval_ms: self.breaker_probe_interval_ms,
+                probe_jitter_ms: self.breaker_probe_jitter_ms,
+            },
         }
     }
 

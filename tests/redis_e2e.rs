@@ -122,7 +122,7 @@ async fn four_replicas_admit_exactly_the_limit() {
                     .ok()
                     .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
                     .and_then(|v| {
-                        v["engine"]["membership"]["live"]
+                        v["engine"]["redis"]["membership"]["live"]
                             .as_array()
                             .map(|a| a.len())
                     })
@@ -541,7 +541,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
     let dir = test_dir("startup-redis");
     let r = rules(&dir, "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n");
 
-    // Nothing listens: serves, says so, and a call gets a clear UNAVAILABLE.
+    // Nothing listens: serves, says so, and decides locally on its lease.
     let refused = format!("redis://127.0.0.1:{}", free_port());
     let started = Instant::now();
     let server = Leasehold::start(
@@ -558,11 +558,23 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
         server.proc.log_text()
     );
     let mut c = client(&server).await;
-    let err = c
+    for want in [4u32, 3, 2, 1, 0] {
+        let resp = c
+            .should_rate_limit(request("s", &[("k", "v")]))
+            .await
+            .expect("decided locally")
+            .into_inner();
+        assert_eq!(
+            resp.statuses[0].limit_remaining, want,
+            "a lease of the whole limit (replicas_hint 1)"
+        );
+    }
+    let resp = c
         .should_rate_limit(request("s", &[("k", "v")]))
         .await
-        .expect_err("unavailable");
-    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        .expect("decided locally")
+        .into_inner();
+    assert_eq!(resp.overall_code, Code::OverLimit as i32);
     drop(server);
 
     // Wrong password: a log line that says so, not a hang.

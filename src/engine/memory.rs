@@ -47,6 +47,12 @@ impl MemoryEngine {
     /// Applies a batch at `now_ms`. Synchronous and lock-bounded: it never
     /// awaits while holding a shard.
     pub fn apply_at(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
+        self.apply_detailed(batch, now_ms).0
+    }
+
+    /// [`Self::apply_at`], also returning what each charge changed its
+    /// key's count by (all zero when the request was denied).
+    pub fn apply_detailed(&self, batch: &Batch, now_ms: u64) -> (BatchOutcome, Vec<i64>) {
         let mut shard_ids: Vec<usize> = batch
             .charges
             .iter()
@@ -108,11 +114,18 @@ impl MemoryEngine {
             .iter()
             .map(|o| ItemOutcome::reported(o, denied))
             .collect();
-        BatchOutcome {
-            items,
-            denied,
-            path: DecisionPath::Memory,
-        }
+        let deltas = results
+            .iter()
+            .map(|o| if denied { 0 } else { o.delta })
+            .collect();
+        (
+            BatchOutcome {
+                items,
+                denied,
+                path: DecisionPath::Memory,
+            },
+            deltas,
+        )
     }
 
     /// Drops state that has expired by `now_ms`; returns how many keys went.

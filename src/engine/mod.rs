@@ -7,6 +7,7 @@
 
 pub mod memory;
 pub mod redis;
+pub mod resilient;
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use crate::limit::{LimitSpec, Role};
 
 pub use memory::MemoryEngine;
 pub use redis::RedisEngine;
+pub use resilient::ResilientEngine;
 
 /// The identity of one counter: domain, the request's entries (with shared
 /// wildcard patterns substituted), unit and algorithm. Every component is

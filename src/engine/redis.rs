@@ -152,13 +152,23 @@ pub struct RawReply {
     pub items: Vec<RawItem>,
 }
 
-/// One (counter, window) whose own count replay sets.
+/// Which of its fields replay sets (see `replay.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayKind {
+    /// `o<idx>`: cumulative grants made locally in the window.
+    Local,
+    /// `<idx>` and its fence: the confirmed Redis-path count.
+    Repair,
+}
+
+/// One (counter, window) field that replay sets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplayEntry {
     pub key: CounterKey,
     pub spec: crate::limit::LimitSpec,
     pub window: u64,
-    pub own: i64,
+    pub kind: ReplayKind,
+    pub value: i64,
 }
 
 /// Replay entries per script call (one call holds one hash slot's keys).
@@ -295,8 +305,9 @@ impl RedisEngine {
         })
     }
 
-    /// Sets this replica's own count for each (counter, window), fenced at a
-    /// fresh epoch. Returns how many entries were still live and written.
+    /// Sets this replica's fields for each (counter, window); repairs are
+    /// fenced at a fresh epoch. Returns how many entries were still live and
+    /// written.
     pub async fn replay(
         &self,
         entries: &[ReplayEntry],
@@ -328,10 +339,17 @@ impl RedisEngine {
                     self.margin_ms.to_string(),
                 ];
                 for e in chunk {
+                    args.push(
+                        match e.kind {
+                            ReplayKind::Local => "1",
+                            ReplayKind::Repair => "2",
+                        }
+                        .to_string(),
+                    );
                     args.push(algorithm_code(e.spec.algorithm).to_string());
                     args.push(e.spec.unit.millis().to_string());
                     args.push(e.window.to_string());
-                    args.push(e.own.to_string());
+                    args.push(e.value.to_string());
                     args.push(e.spec.requests_per_unit.to_string());
                     args.push(e.spec.burst.to_string());
                 }

@@ -25,9 +25,11 @@
 --         (0 when denied).
 --
 -- Counter layout (fixed and sliding window): one hash per (counter, window),
--- "<base>@<window index>", with one field per replica index holding that
--- replica's net count; the total is their sum. Fields starting with "f" are
--- fences: "f<idx>" = the epoch at which replica idx last rewrote its field.
+-- "<base>@<window index>". Field "<idx>": replica idx's net count of
+-- Redis-path grants (this script adds to it); field "o<idx>": its grants
+-- made locally while Redis was away (replay sets it); "f<idx>": a fence, the
+-- epoch at which replica idx last rewrote its "<idx>" field. The total is the
+-- sum of all "<idx>" and "o<idx>" fields.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = ARGV[1]
@@ -38,11 +40,12 @@ local margin = tonumber(ARGV[4])
 local call_id = ARGV[5]
 local n = #KEYS
 
--- Sum of the replica count fields of a window hash, this replica's own
--- count, and this replica's fence.
+-- Sum of the count fields of a window hash, this replica's Redis-path
+-- field, its local (outage) field, and its fence.
+local local_field = 'o' .. me
 local function read_window(key)
   local flat = redis.call('HGETALL', key)
-  local total, own, fence = 0, 0, 0
+  local total, own, own_local, fence = 0, 0, 0, 0
   for i = 1, #flat, 2 do
     local f = flat[i]
     local b = string.byte(f, 1)
@@ -50,11 +53,15 @@ local function read_window(key)
       local v = tonumber(flat[i + 1]) or 0
       total = total + v
       if f == me then own = v end
+    elseif b == 111 then -- 'o'
+      local v = tonumber(flat[i + 1]) or 0
+      total = total + v
+      if f == local_field then own_local = v end
     elseif f == fence_field then
       fence = tonumber(flat[i + 1]) or 0
     end
   end
-  return {total = total, own = own, fence = fence}
+  return {total = total, own = own, own_local = own_local, fence = fence}
 end
 
 -- Per-key state cache, so a key charged twice in one request sees its
@@ -97,11 +104,12 @@ for i = 1, n do
     if expected >= 0 and cur.own < expected then lost = true end
     local weighted = 0
     local prev_own = 0
+    local cur_local = cur.own_local
     local prev_total = 0
     if algo == 2 then
       local prev = window(base .. '@' .. (w - 1))
       if prev.fence > epoch then stale = true end
-      prev_own, prev_total = prev.own, prev.total
+      prev_own, prev_total = prev.own + prev.own_local, prev.total
       if prev.total > 0 then
         weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
       end
@@ -124,7 +132,7 @@ for i = 1, n do
     cur.total = cur.total + delta
     cur.own = cur.own + delta
     r.delta = delta
-    r.own = cur.own + prev_own
+    r.own = cur.own + cur_local + prev_own
     r.total = cur.total + prev_total
     local expire_at = (w + 1) * unit + margin
     if algo == 2 then expire_at = expire_at + unit end
@@ -212,7 +220,7 @@ for i = 1, n do
     end
     use.total = use.total + consumed
     use.own = use.own + consumed
-    r.own = use.own
+    r.own = use.own + use.own_local
     r.total = use.total
     r.delta = consumed
     writes[#writes + 1] = {'bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin}

@@ -1,70 +1,82 @@
--- leasehold: replay. Sets this replica's own count for (counter, window)
--- pairs to what the replica knows it granted, and fences out any of its
--- older calls that Redis might still execute. Setting (not adding) is what
--- makes replay idempotent: running it twice, or after a lost reply, changes
--- nothing; it also re-asserts counts that Redis lost.
+-- leasehold: replay. Writes what this replica knows it counted, per
+-- (counter, window), by setting (never adding) one of its own fields, so
+-- running it twice, or again after a lost reply, changes nothing; it also
+-- re-asserts counts Redis lost. Usage is written to the window it happened
+-- in, never folded into the current one.
+--
+-- Two kinds of entry:
+--   1 (local usage)  set "o<idx>" to this replica's cumulative grants made
+--                    locally (on its lease) in that window. No other writer
+--                    touches that field, so this needs no coordination.
+--   2 (repair)       set "<idx>" to the sum of the deltas of this replica's
+--                    Redis-path calls that Redis confirmed, and the fence
+--                    "f<idx>" to the current epoch, so a call this replica
+--                    gave up on can neither have counted (overwritten here)
+--                    nor count later (the script refuses epochs below the
+--                    fence). The caller sends it only when no Redis-path
+--                    call for the key can still be in flight.
 --
 -- KEYS[i]  base key of entry i (all with one hash tag, so one slot)
--- ARGV[1]  this replica's field (index), ARGV[2] its current epoch (the fence),
--- ARGV[3]  expiry margin in ms
--- ARGV[4 + 6*(i-1) ...] per entry: algorithm (1 fixed, 2 sliding window,
---          4 token bucket), unit_ms, window index, own count, limit, burst
+-- ARGV[1]  this replica's index, ARGV[2] its current epoch, ARGV[3] expiry
+--          margin in ms
+-- ARGV[4 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
+--          window, 4 token bucket), unit_ms, window index, value, limit, burst
 --
--- Reply: {entries applied, now_ms}. Windows that are no longer live (their
--- key would have expired) are skipped: their usage can no longer matter.
+-- Reply: {entries written, now_ms}. Windows whose keys would already have
+-- expired are skipped: their usage can no longer matter.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fence = 'f' .. me
-local applied = 0
+local local_field = 'o' .. me
+local written = 0
 for i = 1, #KEYS do
-  local o = 4 + 6 * (i - 1)
-  local algo = tonumber(ARGV[o])
-  local unit = tonumber(ARGV[o + 1])
-  local w = tonumber(ARGV[o + 2])
-  local own = tonumber(ARGV[o + 3])
-  local limit = tonumber(ARGV[o + 4])
-  local burst = tonumber(ARGV[o + 5])
+  local o = 4 + 7 * (i - 1)
+  local kind = tonumber(ARGV[o])
+  local algo = tonumber(ARGV[o + 1])
+  local unit = tonumber(ARGV[o + 2])
+  local w = tonumber(ARGV[o + 3])
+  local value = tonumber(ARGV[o + 4])
+  local limit = tonumber(ARGV[o + 5])
+  local burst = tonumber(ARGV[o + 6])
   local base = KEYS[i]
   local key = base .. '@' .. w
   local life = (w + 1) * unit + margin
   if algo == 2 then life = life + unit end
-  if life > now then
-    if algo == 4 then
-      -- Token bucket: draw the tokens Redis has not seen yet, once. The
-      -- consumption field is the replay marker: it is set to own in the
-      -- same step, so a second run finds nothing left to draw.
-      local seen = tonumber(redis.call('HGET', key, me)) or 0
-      local draw = own - seen
-      if draw > 0 then
-        local v = redis.call('HMGET', base, 't', 'u')
-        local tokens = tonumber(v[1])
-        local updated = tonumber(v[2]) or now
-        if tokens then
-          tokens = math.min(burst, tokens + math.max(0, now - updated) * limit / unit)
-        else
-          tokens = burst
+  if life > now and (algo == 1 or algo == 2 or algo == 4) then
+    if kind == 1 then
+      if algo == 4 then
+        -- Draw from the bucket the tokens Redis has not seen yet, once: the
+        -- local field is the replay marker, set in the same step.
+        local seen = tonumber(redis.call('HGET', key, local_field)) or 0
+        local draw = value - seen
+        if draw > 0 then
+          local v = redis.call('HMGET', base, 't', 'u')
+          local tokens = tonumber(v[1])
+          local updated = tonumber(v[2]) or now
+          if tokens then
+            tokens = math.min(burst, tokens + math.max(0, now - updated) * limit / unit)
+          else
+            tokens = burst
+          end
+          tokens = math.max(0, tokens - draw)
+          local full_in = unit
+          if limit > 0 then
+            full_in = math.ceil((burst - tokens) * unit / limit)
+          end
+          redis.call('HSET', base, 't', string.format('%.17g', tokens), 'u', now)
+          redis.call('PEXPIRE', base, full_in + margin)
         end
-        tokens = math.max(0, tokens - draw)
-        local full_in = 0
-        if limit > 0 and tokens < burst then
-          full_in = math.ceil((burst - tokens) * unit / limit)
-        elseif limit == 0 then
-          full_in = unit
-        end
-        redis.call('HSET', base, 't', string.format('%.17g', tokens), 'u', now)
-        redis.call('PEXPIRE', base, full_in + margin)
       end
-      if redis.call('EXISTS', base) == 1 then
+      redis.call('HSET', key, local_field, value)
+    else
+      redis.call('HSET', key, me, value, fence, epoch)
+      if algo == 4 and redis.call('EXISTS', base) == 1 then
         redis.call('HSET', base, fence, epoch)
       end
-      redis.call('HSET', key, me, own, fence, epoch)
-      redis.call('PEXPIREAT', key, life)
-    elseif algo == 1 or algo == 2 then
-      redis.call('HSET', key, me, own, fence, epoch)
-      redis.call('PEXPIREAT', key, life)
     end
-    applied = applied + 1
+    redis.call('PEXPIREAT', key, life)
+    written = written + 1
   end
 end
-return {applied, now}
+return {written, now}

@@ -1,0 +1,485 @@
+//! The resilient engine: the only place that decides to degrade. It wraps the
+//! Redis engine and a local lease engine:
+//!
+//! - While the breaker is healthy, a request goes to Redis with a deadline.
+//!   A call that fails or misses the deadline is decided locally at once, so
+//!   a client never waits on a dead or hung Redis and never sees an error
+//!   because of it; if the call may still apply, its keys become suspect
+//!   (decided locally until repaired, see [`crate::reconcile`]).
+//! - While the breaker is tripped or probing, every request is decided
+//!   locally on leases: this replica's share of each limit.
+//! - A background loop ([`ResilientEngine::run`]) probes Redis when tripped,
+//!   replays local usage and repairs suspect keys, and returns the breaker to
+//!   healthy only after a replay round has finished.
+//!
+//! # Leases
+//!
+//! A replica's lease for a key's window is `share × base`:
+//! - `base` is what Redis last said remained in that window when this
+//!   replica last reached it (mid-window), else the full limit;
+//! - `share` comes from demand when known: `d × (1 − N·f) + f`, where `d` is
+//!   this replica's part of the key's recent traffic (from script replies),
+//!   `N` the live members (frozen when Redis went away; a configured hint
+//!   before first contact) and `f` the floor (`lease_min_share`), so a
+//!   replica that suddenly gets traffic is not starved. Summed over replicas
+//!   whose `d` add up to 1, the shares add up to exactly 1. Without demand
+//!   data the share is `1/N`.
+//!
+//! Local decisions run the same algorithm as Redis on the lease, on the
+//! replica's estimate of Redis time (its last measured offset), so windows
+//! line up with Redis's.
+//!
+//! # What holds per algorithm
+//!
+//! fixed_window and sliding_window: leases per window, local usage replayed
+//! into the window it happened in, suspect keys repaired: after recovery
+//! Redis holds exactly the grants. token_bucket: local leases of
+//! `share × burst` refilled at `share × rate`; replay draws the tokens used
+//! locally from the Redis bucket once (the consumption field is the replay
+//! marker). sliding_log: leases hold during an outage, but local grants are
+//! not written back into the Redis log (they are kept locally only), so for
+//! one unit after recovery up to a lease's worth can be admitted again.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::sync::{watch, Notify};
+
+use super::redis::{RawReply, RedisEngine};
+use super::{
+    Batch, BatchOutcome, Charge, DecisionPath, Engine, EngineError, ItemOutcome, MemoryEngine,
+};
+use crate::breaker::{Breaker, BreakerConfig, BreakerState, Transition};
+use crate::clock::Clock;
+use crate::limit::{Algorithm, LimitSpec};
+use crate::reconcile::{window_of, Ledger};
+
+#[derive(Clone, Copy, Debug)]
+pub struct ResilientConfig {
+    pub deadline_ms: u64,
+    pub expiry_margin_ms: u64,
+    pub lease_min_share: f64,
+    pub replicas_hint: usize,
+    pub ledger_max_keys: usize,
+    pub breaker: BreakerConfig,
+}
+
+/// Counters for /status and metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub redis_decisions: AtomicU64,
+    pub local_decisions: AtomicU64,
+    pub redis_failures: AtomicU64,
+    pub replay_runs: AtomicU64,
+    pub replayed_entries: AtomicU64,
+    pub data_loss_detected: AtomicU64,
+}
+
+pub struct ResilientEngine {
+    redis: Arc<RedisEngine>,
+    local: MemoryEngine,
+    ledger: Ledger,
+    breaker: Mutex<Breaker>,
+    clock: Arc<dyn Clock>,
+    /// Redis time minus local time, from the last reply.
+    offset_ms: AtomicI64,
+    /// Live members as last seen while Redis was reachable.
+    members: AtomicUsize,
+    cfg: ResilientConfig,
+    wake: Notify,
+    pub stats: Stats,
+}
+
+/// A replica's share of a limit (see the module docs).
+pub fn lease_share(demand: Option<f64>, members: usize, min_share: f64) -> f64 {
+    let n = members.max(1) as f64;
+    match demand {
+        Some(d) => {
+            let f = min_share.clamp(0.0, 1.0 / n);
+            d.clamp(0.0, 1.0) * (1.0 - n * f) + f
+        }
+        None => 1.0 / n,
+    }
+}
+
+/// The spec a replica enforces locally: the limit scaled to its lease.
+pub fn lease_spec(spec: &LimitSpec, share: f64, remaining: Option<u64>) -> LimitSpec {
+    let scale = |v: u64| (v as f64 * share).floor().min(f64::from(u32::MAX)) as u32;
+    match spec.algorithm {
+        Algorithm::TokenBucket => LimitSpec {
+            requests_per_unit: scale(u64::from(spec.requests_per_unit)),
+            burst: scale(
+                remaining
+                    .unwrap_or(u64::from(spec.burst))
+                    .min(u64::from(spec.burst)),
+            ),
+            ..*spec
+        },
+        _ => {
+            let base = remaining
+                .unwrap_or(u64::from(spec.requests_per_unit))
+                .min(u64::from(spec.requests_per_unit));
+            LimitSpec {
+                requests_per_unit: scale(base),
+                burst: scale(base),
+                ..*spec
+            }
+        }
+    }
+}
+
+impl ResilientEngine {
+    pub fn new(redis: Arc<RedisEngine>, clock: Arc<dyn Clock>, cfg: ResilientConfig) -> Self {
+        let now = clock.now_ms();
+        ResilientEngine {
+            local: MemoryEngine::new(clock.clone()),
+            ledger: Ledger::new(cfg.ledger_max_keys),
+            breaker: Mutex::new(Breaker::new(cfg.breaker, now)),
+            offset_ms: AtomicI64::new(0),
+            members: AtomicUsize::new(cfg.replicas_hint.max(1)),
+            redis,
+            clock,
+            cfg,
+            wake: Notify::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn redis(&self) -> &Arc<RedisEngine> {
+        &self.redis
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.lock().state()
+    }
+
+    fn redis_now(&self, local_ms: u64) -> u64 {
+        (local_ms as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
+    }
+
+    fn log_transition(t: &Transition) {
+        match t.to {
+            BreakerState::Tripped => {
+                tracing::warn!(from = t.from.as_str(), reason = %t.reason, "breaker tripped: deciding locally on leases")
+            }
+            BreakerState::Probing => {
+                tracing::info!(reason = %t.reason, "breaker probing: Redis answers, replaying")
+            }
+            BreakerState::Healthy => {
+                tracing::info!(reason = %t.reason, "breaker healthy: back on Redis")
+            }
+        }
+    }
+
+    fn transition(&self, f: impl FnOnce(&mut Breaker) -> Option<Transition>) {
+        let t = f(&mut self.breaker.lock());
+        if let Some(t) = t {
+            Self::log_transition(&t);
+            self.wake.notify_one();
+        }
+    }
+
+    fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
+        let now = self.clock.now_ms();
+        let mid = (sent_ms + now) / 2;
+        self.offset_ms
+            .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
+        for (c, item) in batch.charges.iter().zip(&reply.items) {
+            self.ledger
+                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
+        }
+        if reply.lost {
+            self.stats
+                .data_loss_detected
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("Redis lost counts this replica had written (restarted empty or failed over): re-asserting");
+            self.ledger.reassert_all();
+            self.wake.notify_one();
+        }
+        self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
+        BatchOutcome {
+            items: reply
+                .items
+                .iter()
+                .map(|i| ItemOutcome {
+                    over: i.over,
+                    remaining: i.remaining,
+                    reset_ms: i.reset_ms,
+                })
+                .collect(),
+            denied: reply.denied,
+            path: DecisionPath::Redis,
+        }
+    }
+
+    /// Decides on leases, without any network.
+    fn decide_local(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
+        let redis_now = self.redis_now(now_ms);
+        let members = self.members.load(Ordering::Relaxed);
+        let leased = Batch {
+            charges: batch
+                .charges
+                .iter()
+                .map(|c| {
+                    let window = window_of(&c.spec, redis_now);
+                    let (demand, remaining) = self.ledger.lease_inputs(&c.key, window);
+                    let share = lease_share(demand, members, self.cfg.lease_min_share);
+                    Charge {
+                        spec: lease_spec(&c.spec, share, remaining),
+                        ..c.clone()
+                    }
+                })
+                .collect(),
+            never_deny: batch.never_deny,
+        };
+        let (mut outcome, deltas) = self.local.apply_detailed(&leased, redis_now);
+        for (c, delta) in batch.charges.iter().zip(deltas) {
+            self.ledger.record_local(
+                &c.key,
+                &c.spec,
+                window_of(&c.spec, redis_now),
+                now_ms,
+                delta,
+            );
+        }
+        outcome.path = DecisionPath::Local;
+        self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
+        outcome
+    }
+
+    /// The background loop: probe when tripped, replay and repair, keep
+    /// membership and the ledger current. Stops on `stop`.
+    pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut last_sweep = 0u64;
+        loop {
+            let state = self.breaker_state();
+            let delay = match state {
+                BreakerState::Tripped => {
+                    let unit = (self.clock.now_ms() % 1_000) as f64 / 1_000.0;
+                    self.breaker.lock().probe_delay_ms(unit)
+                }
+                BreakerState::Probing => 5,
+                BreakerState::Healthy => 50,
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
+                _ = self.wake.notified() => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            let now = self.clock.now_ms();
+            if state == BreakerState::Healthy {
+                let live = self.redis.membership().state().live.len();
+                if live > 0 {
+                    self.members.store(live, Ordering::Relaxed);
+                }
+            }
+            if now >= last_sweep + 1_000 {
+                last_sweep = now;
+                self.ledger
+                    .sweep(self.redis_now(now), self.cfg.expiry_margin_ms);
+                self.local.sweep(self.redis_now(now));
+            }
+            match state {
+                BreakerState::Tripped => {
+                    let timeout = Duration::from_millis(self.cfg.deadline_ms.max(50));
+                    if self.redis.redis().ping(timeout).await.is_ok()
+                        && self.redis.membership().index().is_some()
+                    {
+                        self.transition(|b| b.on_probe_ok(self.clock.now_ms()));
+                    }
+                }
+                BreakerState::Probing | BreakerState::Healthy => self.replay_round(state).await,
+            }
+        }
+    }
+
+    async fn replay_round(&self, state: BreakerState) {
+        let now = self.clock.now_ms();
+        // Past a deadline (plus a little scheduling slack) no call sent
+        // before can still be in flight.
+        let quiet = self.cfg.deadline_ms + 10;
+        let (plan, waiting) =
+            self.ledger
+                .replay_plan(now, self.redis_now(now), quiet, self.cfg.expiry_margin_ms);
+        if plan.is_empty() {
+            if waiting == 0 && state == BreakerState::Probing {
+                self.transition(|b| b.on_replay_done(self.clock.now_ms()));
+            }
+            return;
+        }
+        let entries: Vec<_> = plan
+            .iter()
+            .flat_map(|p| p.entries.iter().cloned())
+            .collect();
+        let budget = Duration::from_millis((self.cfg.deadline_ms * 20).max(1_000));
+        let started = std::time::Instant::now();
+        match self.redis.replay(&entries, budget).await {
+            Ok(written) => {
+                self.ledger.mark_replayed(&plan);
+                self.stats.replay_runs.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .replayed_entries
+                    .fetch_add(written, Ordering::Relaxed);
+                tracing::info!(
+                    keys = plan.len(),
+                    entries = entries.len(),
+                    written,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "replayed"
+                );
+                if waiting == 0 && state == BreakerState::Probing {
+                    self.transition(|b| b.on_replay_done(self.clock.now_ms()));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "replay failed; will retry");
+                let now = self.clock.now_ms();
+                let reason = e.to_string();
+                if state == BreakerState::Probing {
+                    self.transition(|b| b.on_replay_failed(now, &reason));
+                } else {
+                    self.transition(|b| b.on_failure(now, &reason));
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for ResilientEngine {
+    async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
+        let now = self.clock.now_ms();
+        let use_redis = self.breaker.lock().allows_redis()
+            && !batch.charges.iter().any(|c| self.ledger.is_suspect(&c.key));
+        if use_redis {
+            let redis_now = self.redis_now(now);
+            let expected: Vec<i64> = batch
+                .charges
+                .iter()
+                .map(|c| self.ledger.expected(&c.key, window_of(&c.spec, redis_now)))
+                .collect();
+            for c in &batch.charges {
+                self.ledger.note_issue(&c.key, &c.spec, now);
+            }
+            match self.redis.decide_raw(batch, &expected).await {
+                Ok(reply) => {
+                    self.breaker.lock().on_success();
+                    return Ok(self.on_reply(batch, &reply, now));
+                }
+                Err(e) => {
+                    self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+                    if e.maybe_applied() {
+                        let at = self.clock.now_ms();
+                        for c in &batch.charges {
+                            self.ledger.mark_suspect(&c.key, &c.spec, at);
+                        }
+                    }
+                    tracing::debug!(error = %e, "Redis call failed; deciding locally");
+                    let reason = e.to_string();
+                    self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
+                }
+            }
+        }
+        Ok(self.decide_local(batch, now))
+    }
+
+    fn name(&self) -> &'static str {
+        "resilient"
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let b = self.breaker.lock();
+        let history: Vec<_> = b.history().cloned().collect();
+        let (replay_keys, unreplayed_hits, suspect_keys) = self.ledger.pending();
+        let path = if b.allows_redis() { "redis" } else { "local" };
+        serde_json::json!({
+            "engine": "resilient",
+            "path": path,
+            "breaker": {
+                "state": b.state().as_str(),
+                "since_ms": b.since_ms(),
+                "consecutive_failures": b.consecutive_failures(),
+                "transitions": b.transitions(),
+                "history": history,
+            },
+            "members_for_leases": self.members.load(Ordering::Relaxed),
+            "ledger": {
+                "tracked_keys": self.ledger.len(),
+                "keys_to_replay": replay_keys,
+                "unreplayed_hits": unreplayed_hits,
+                "suspect_keys": suspect_keys,
+                "dropped_usage": self.ledger.dropped_usage.load(Ordering::Relaxed),
+            },
+            "decisions": {
+                "redis": self.stats.redis_decisions.load(Ordering::Relaxed),
+                "local": self.stats.local_decisions.load(Ordering::Relaxed),
+                "redis_failures": self.stats.redis_failures.load(Ordering::Relaxed),
+            },
+            "replay": {
+                "runs": self.stats.replay_runs.load(Ordering::Relaxed),
+                "entries": self.stats.replayed_entries.load(Ordering::Relaxed),
+                "data_loss_detected": self.stats.data_loss_detected.load(Ordering::Relaxed),
+            },
+            "redis": self.redis.status(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::Unit;
+
+    #[test]
+    fn shares_sum_to_one_and_have_a_floor() {
+        let f = 0.025;
+        let demands = [0.7, 0.1, 0.1, 0.1];
+        let sum: f64 = demands.iter().map(|d| lease_share(Some(*d), 4, f)).sum();
+        assert!((sum - 1.0).abs() < 1e-9, "{sum}");
+        assert!((lease_share(Some(0.7), 4, f) - 0.655).abs() < 1e-9);
+        assert!(
+            (lease_share(Some(0.0), 4, f) - 0.025).abs() < 1e-9,
+            "an idle replica keeps the floor"
+        );
+        assert_eq!(lease_share(None, 4, f), 0.25);
+        assert_eq!(
+            lease_share(None, 0, f),
+            1.0,
+            "no members known: the whole limit"
+        );
+        // A floor too large for N is capped at an even split.
+        assert!((lease_share(Some(0.9), 4, 0.5) - 0.25).abs() < 1e-9);
+    }
+
+    #[test]
+    fn leases_scale_the_limit_or_what_remained() {
+        let spec = LimitSpec::fixed(1_000, Unit::Second);
+        assert_eq!(lease_spec(&spec, 0.25, None).requests_per_unit, 250);
+        assert_eq!(
+            lease_spec(&spec, 0.25, Some(400)).requests_per_unit,
+            100,
+            "mid-window: share of what remained"
+        );
+        assert_eq!(
+            lease_spec(&spec, 0.25, Some(5_000)).requests_per_unit,
+            250,
+            "never above the limit"
+        );
+        let bucket = LimitSpec {
+            requests_per_unit: 100,
+            unit: Unit::Second,
+            algorithm: Algorithm::TokenBucket,
+            burst: 40,
+        };
+        let l = lease_spec(&bucket, 0.5, None);
+        assert_eq!((l.requests_per_unit, l.burst), (50, 20));
+        assert_eq!(lease_spec(&bucket, 0.5, Some(10)).burst, 5);
+    }
+}

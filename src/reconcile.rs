@@ -1,0 +1,554 @@
+//! The ledger: what this replica knows about its own counts, per (key,
+//! window), not per request, so memory grows with active keys and never with
+//! traffic. It feeds three things:
+//!
+//! - **Replay of local usage.** Per live window, the cumulative grants this
+//!   replica made on its lease; replay sets its `o<idx>` field to it (see
+//!   `redis/replay.lua`): idempotent, attributed to the window it happened
+//!   in, and free of races because no other writer touches that field.
+//! - **Repair of suspect keys.** Per live window, the sum of the deltas of
+//!   Redis-path calls Redis confirmed. A key whose call failed in a way that
+//!   may still apply is *suspect*: it is decided locally until a repair sets
+//!   its `<idx>` field to that sum behind a fresh fence, which waits until no
+//!   Redis call for it can still be in flight (a deadline after the last).
+//! - **Lease inputs.** The last remaining count Redis reported for the
+//!   current window and this replica's share of the key's traffic.
+//!
+//! Bounded: at most `max_keys` keys; windows past their life are dropped.
+//! Unreplayed usage in a live window is never dropped silently: when the cap
+//! forces it, it is counted in `dropped_usage` and logged.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::engine::redis::{RawItem, ReplayEntry, ReplayKind};
+use crate::engine::CounterKey;
+use crate::limit::{Algorithm, LimitSpec};
+
+const SHARDS: usize = 32;
+
+#[derive(Clone, Debug, Default)]
+struct WindowTally {
+    window: u64,
+    /// Sum of the deltas of confirmed Redis-path calls: the `<idx>` field.
+    redis_own: i64,
+    /// Cumulative local grants: the `o<idx>` field once replayed.
+    local_own: i64,
+    /// The `local_own` value Redis last confirmed.
+    local_replayed: i64,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    spec: LimitSpec,
+    windows: Vec<WindowTally>,
+    /// (window, remaining) from the last Redis reply.
+    last_remaining: Option<(u64, u64)>,
+    /// This replica's part of the key's traffic, from the last reply.
+    demand: Option<f64>,
+    /// A Redis call may have applied without this replica knowing.
+    suspect: bool,
+    /// Bumped whenever the key becomes suspect; a repair clears the flag
+    /// only if nothing changed while it ran.
+    version: u64,
+    last_issue_ms: u64,
+    touched_ms: u64,
+}
+
+impl Entry {
+    fn new(spec: LimitSpec, now_ms: u64) -> Self {
+        Entry {
+            spec,
+            windows: Vec::new(),
+            last_remaining: None,
+            demand: None,
+            suspect: false,
+            version: 0,
+            last_issue_ms: 0,
+            touched_ms: now_ms,
+        }
+    }
+
+    fn window_mut(&mut self, window: u64) -> &mut WindowTally {
+        match self.windows.iter().position(|w| w.window == window) {
+            Some(i) => &mut self.windows[i],
+            None => {
+                self.windows.push(WindowTally {
+                    window,
+                    ..Default::default()
+                });
+                let last = self.windows.len() - 1;
+                &mut self.windows[last]
+            }
+        }
+    }
+
+    fn unreplayed(&self) -> i64 {
+        self.windows
+            .iter()
+            .map(|w| (w.local_own - w.local_replayed).abs())
+            .sum()
+    }
+
+    fn needs_replay(&self) -> bool {
+        self.suspect || self.windows.iter().any(|w| w.local_own != w.local_replayed)
+    }
+}
+
+/// A replay plan item with the entry version it was taken at.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub entries: Vec<ReplayEntry>,
+    pub key: CounterKey,
+    pub version: u64,
+    /// The plan repairs the key (it was suspect and quiet).
+    pub repairs: bool,
+}
+
+/// Window index of `now_ms` for a spec.
+pub fn window_of(spec: &LimitSpec, now_ms: u64) -> u64 {
+    now_ms / spec.unit.millis()
+}
+
+/// Whether a window's key is still alive in Redis (and so worth replaying).
+pub fn window_live(spec: &LimitSpec, window: u64, now_ms: u64, margin_ms: u64) -> bool {
+    let unit = spec.unit.millis();
+    let mut end = (window + 1) * unit + margin_ms;
+    if spec.algorithm == Algorithm::SlidingWindow {
+        end += unit;
+    }
+    end > now_ms
+}
+
+/// Whether outage usage of this algorithm is replayed.
+fn replayable(spec: &LimitSpec) -> bool {
+    spec.algorithm != Algorithm::SlidingLog
+}
+
+pub struct Ledger {
+    shards: Vec<Mutex<HashMap<CounterKey, Entry>>>,
+    max_keys: usize,
+    len: AtomicUsize,
+    /// Unreplayed usage dropped because the ledger was full.
+    pub dropped_usage: AtomicU64,
+    /// Redis-path charges on keys the full ledger could not track.
+    pub untracked: AtomicU64,
+}
+
+impl Ledger {
+    pub fn new(max_keys: usize) -> Self {
+        Ledger {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            max_keys: max_keys.max(1),
+            len: AtomicUsize::new(0),
+            dropped_usage: AtomicU64::new(0),
+            untracked: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: &CounterKey) -> &Mutex<HashMap<CounterKey, Entry>> {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        let h = BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .hash_one(key);
+        &self.shards[(h as usize) % SHARDS]
+    }
+
+    /// Runs `f` on the entry for `key`, creating it if there is room. When
+    /// the ledger is full, evicts a clean entry of the same shard, or as a
+    /// last resort one with unreplayed usage (counted and logged).
+    fn with_entry<R>(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        now_ms: u64,
+        f: impl FnOnce(&mut Entry) -> R,
+    ) -> Option<R> {
+        let mut map = self.shard(key).lock();
+        if !map.contains_key(key) {
+            if self.len.load(Ordering::Relaxed) >= self.max_keys {
+                let victim = map
+                    .iter()
+                    .filter(|(_, e)| !e.needs_replay())
+                    .min_by_key(|(_, e)| e.touched_ms)
+                    .or_else(|| map.iter().min_by_key(|(_, e)| e.touched_ms))
+                    .map(|(k, e)| (k.clone(), e.unreplayed()));
+                match victim {
+                    Some((k, lost)) => {
+                        if lost > 0 {
+                            self.dropped_usage.fetch_add(lost as u64, Ordering::Relaxed);
+                            tracing::error!(key = %k.as_str(), hits = lost, "ledger full: dropping unreplayed usage");
+                        }
+                        map.remove(&k);
+                        self.len.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    None => return None,
+                }
+            }
+            map.insert(key.clone(), Entry::new(*spec, now_ms));
+            self.len.fetch_add(1, Ordering::Relaxed);
+        }
+        let entry = map.get_mut(key)?;
+        entry.touched_ms = now_ms;
+        entry.spec = *spec;
+        Some(f(entry))
+    }
+
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// This replica's confirmed Redis-path count for `key` in `window`, or
+    /// -1 when unknown (the script's data-loss check).
+    pub fn expected(&self, key: &CounterKey, window: u64) -> i64 {
+        self.shard(key)
+            .lock()
+            .get(key)
+            .and_then(|e| {
+                e.windows
+                    .iter()
+                    .find(|w| w.window == window)
+                    .map(|w| w.redis_own)
+            })
+            .unwrap_or(-1)
+    }
+
+    /// Suspect keys are decided locally until repaired.
+    pub fn is_suspect(&self, key: &CounterKey) -> bool {
+        self.shard(key).lock().get(key).is_some_and(|e| e.suspect)
+    }
+
+    pub fn note_issue(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64) {
+        if self
+            .with_entry(key, spec, now_ms, |e| e.last_issue_ms = now_ms)
+            .is_none()
+        {
+            self.untracked.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A Redis reply for one charge.
+    pub fn record_redis(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        redis_now_ms: u64,
+        now_ms: u64,
+        item: &RawItem,
+    ) {
+        let window = window_of(spec, redis_now_ms);
+        self.with_entry(key, spec, now_ms, |e| {
+            e.window_mut(window).redis_own += item.delta;
+            e.last_remaining = Some((window, item.remaining));
+            if item.own >= 0 && item.total > 0 {
+                e.demand = Some((item.own.min(item.total) as f64) / (item.total as f64));
+            }
+        });
+    }
+
+    /// A Redis call for `key` failed in a way that may still apply: decide it
+    /// locally until a repair rewrites its field.
+    pub fn mark_suspect(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64) {
+        if !replayable(spec) {
+            return;
+        }
+        self.with_entry(key, spec, now_ms, |e| {
+            e.suspect = true;
+            e.version += 1;
+        });
+    }
+
+    /// A local (lease) grant for one charge in `window`.
+    pub fn record_local(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        window: u64,
+        now_ms: u64,
+        delta: i64,
+    ) {
+        if delta == 0 || !replayable(spec) {
+            return;
+        }
+        let tracked = self.with_entry(key, spec, now_ms, |e| {
+            e.window_mut(window).local_own += delta;
+        });
+        if tracked.is_none() {
+            self.dropped_usage
+                .fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
+            tracing::error!(key = %key.as_str(), hits = delta, "ledger full: local usage cannot be kept for replay");
+        }
+    }
+
+    /// Redis lost data: every live window is re-asserted, both fields.
+    pub fn reassert_all(&self) {
+        for shard in &self.shards {
+            for e in shard.lock().values_mut() {
+                if replayable(&e.spec) && !e.windows.is_empty() {
+                    e.suspect = true;
+                    e.version += 1;
+                    for w in &mut e.windows {
+                        w.local_replayed = 0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lease inputs: (demand share, remaining Redis last reported for `window`).
+    pub fn lease_inputs(&self, key: &CounterKey, window: u64) -> (Option<f64>, Option<u64>) {
+        self.shard(key).lock().get(key).map_or((None, None), |e| {
+            let remaining = e
+                .last_remaining
+                .filter(|(w, _)| *w == window)
+                .map(|(_, r)| r);
+            (e.demand, remaining)
+        })
+    }
+
+    /// What to replay now: local usage Redis has not confirmed, and repairs
+    /// of suspect keys whose last Redis call is at least `quiet_ms` old (none
+    /// can still be in flight). Also returns how many suspect keys are still
+    /// waiting for quiet.
+    pub fn replay_plan(
+        &self,
+        now_ms: u64,
+        redis_now_ms: u64,
+        quiet_ms: u64,
+        margin_ms: u64,
+    ) -> (Vec<Planned>, usize) {
+        let mut plan = Vec::new();
+        let mut waiting = 0;
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                if !e.needs_replay() {
+                    continue;
+                }
+                let repairs = e.suspect && now_ms >= e.last_issue_ms + quiet_ms;
+                if e.suspect && !repairs {
+                    waiting += 1;
+                }
+                let mut entries = Vec::new();
+                for w in e
+                    .windows
+                    .iter()
+                    .filter(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms))
+                {
+                    if w.local_own != w.local_replayed {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Local,
+                            value: w.local_own,
+                        });
+                    }
+                    if repairs {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Repair,
+                            value: w.redis_own,
+                        });
+                    }
+                }
+                if entries.is_empty() && !repairs {
+                    continue;
+                }
+                plan.push(Planned {
+                    entries,
+                    key: key.clone(),
+                    version: e.version,
+                    repairs,
+                });
+            }
+        }
+        (plan, waiting)
+    }
+
+    /// Records that Redis confirmed a plan: local values are replayed, and a
+    /// repaired key is clean unless it became suspect again meanwhile.
+    pub fn mark_replayed(&self, planned: &[Planned]) {
+        for p in planned {
+            if let Some(e) = self.shard(&p.key).lock().get_mut(&p.key) {
+                for entry in &p.entries {
+                    if entry.kind == ReplayKind::Local {
+                        if let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) {
+                            w.local_replayed = entry.value;
+                        }
+                    }
+                }
+                if p.repairs && e.version == p.version {
+                    e.suspect = false;
+                }
+            }
+        }
+    }
+
+    /// Drops dead windows and entries with nothing left to remember.
+    pub fn sweep(&self, redis_now_ms: u64, margin_ms: u64) {
+        for shard in &self.shards {
+            let mut map = shard.lock();
+            let before = map.len();
+            map.retain(|_, e| {
+                e.windows
+                    .retain(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms));
+                if e.windows.is_empty() {
+                    // Nothing live is left to repair.
+                    e.suspect = false;
+                }
+                !e.windows.is_empty()
+            });
+            self.len.fetch_sub(before - map.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// (keys needing replay, unreplayed hits, suspect keys) for /status
+    /// and metrics.
+    pub fn pending(&self) -> (usize, i64, usize) {
+        let (mut keys, mut hits, mut suspect) = (0, 0, 0);
+        for shard in &self.shards {
+            for e in shard.lock().values() {
+                if e.needs_replay() {
+                    keys += 1;
+                    hits += e.unreplayed();
+                }
+                suspect += usize::from(e.suspect);
+            }
+        }
+        (keys, hits, suspect)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::Unit;
+
+    fn item(delta: i64, remaining: u64, own: i64, total: i64) -> RawItem {
+        RawItem {
+            over: false,
+            remaining,
+            reset_ms: 0,
+            own,
+            total,
+            delta,
+        }
+    }
+
+    fn key(v: &str) -> (CounterKey, LimitSpec) {
+        let spec = LimitSpec::fixed(100, Unit::Second);
+        (CounterKey::new("d", [("k", v)], &spec), spec)
+    }
+
+    #[test]
+    fn local_usage_replays_by_value_and_only_once() {
+        let l = Ledger::new(10);
+        let (k, s) = key("a");
+        l.note_issue(&k, &s, 1_000);
+        l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
+        assert_eq!(l.expected(&k, 5), 3);
+        assert_eq!(l.lease_inputs(&k, 5), (Some(0.25), Some(97)));
+        assert_eq!(l.lease_inputs(&k, 6), (Some(0.25), None));
+        l.record_local(&k, &s, 5, 1_100, 2);
+        l.record_local(&k, &s, 5, 1_100, 1);
+        assert!(
+            !l.is_suspect(&k),
+            "local usage alone does not take the key off Redis"
+        );
+        assert_eq!(l.pending(), (1, 3, 0));
+        let (plan, waiting) = l.replay_plan(1_050, 5_150, 100, 1_000);
+        assert_eq!(waiting, 0);
+        assert_eq!(plan[0].entries.len(), 1);
+        assert_eq!(
+            (plan[0].entries[0].kind, plan[0].entries[0].value),
+            (ReplayKind::Local, 3)
+        );
+        l.mark_replayed(&plan);
+        assert_eq!(l.pending(), (0, 0, 0));
+        // More local usage later: the next value is cumulative, not a delta.
+        l.record_local(&k, &s, 5, 1_200, 1);
+        let (plan, _) = l.replay_plan(1_300, 5_300, 100, 1_000);
+        assert_eq!(plan[0].entries[0].value, 4);
+    }
+
+    #[test]
+    fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
+        let l = Ledger::new(10);
+        let (k, s) = key("b");
+        l.note_issue(&k, &s, 1_000);
+        l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
+        l.note_issue(&k, &s, 2_000);
+        l.mark_suspect(&k, &s, 2_005);
+        assert!(l.is_suspect(&k));
+        let (plan, waiting) = l.replay_plan(2_050, 7_100, 100, 1_000);
+        assert!(
+            plan.is_empty() && waiting == 1,
+            "a call may still be in flight"
+        );
+        let (plan, waiting) = l.replay_plan(2_100, 7_150, 100, 1_000);
+        assert_eq!(waiting, 0);
+        assert_eq!(
+            (plan[0].entries[0].kind, plan[0].entries[0].value),
+            (ReplayKind::Repair, 4)
+        );
+        // Suspect again while the repair ran: stays suspect.
+        l.mark_suspect(&k, &s, 2_120);
+        l.mark_replayed(&plan);
+        assert!(l.is_suspect(&k));
+        let (plan, _) = l.replay_plan(2_300, 7_300, 100, 1_000);
+        l.mark_replayed(&plan);
+        assert!(!l.is_suspect(&k));
+    }
+
+    #[test]
+    fn dead_windows_are_not_replayed_and_are_swept() {
+        let l = Ledger::new(10);
+        let (k, s) = key("c");
+        l.record_local(&k, &s, 3, 0, 4);
+        // Window 3 of a 1 s unit lives until 4_000 + margin.
+        let (plan, _) = l.replay_plan(0, 5_500, 0, 1_000);
+        assert!(plan.is_empty());
+        l.sweep(5_500, 1_000);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn redis_data_loss_reasserts_everything() {
+        let l = Ledger::new(10);
+        let (k, s) = key("d");
+        l.record_redis(&k, &s, 9_000, 0, &item(5, 95, 5, 5));
+        l.record_local(&k, &s, 9, 0, 2);
+        let (plan, _) = l.replay_plan(1_000, 9_100, 0, 1_000);
+        l.mark_replayed(&plan);
+        l.reassert_all();
+        let (plan, _) = l.replay_plan(1_000, 9_200, 0, 1_000);
+        let kinds: Vec<_> = plan[0].entries.iter().map(|e| (e.kind, e.value)).collect();
+        assert_eq!(kinds, [(ReplayKind::Local, 2), (ReplayKind::Repair, 5)]);
+    }
+
+    #[test]
+    fn the_cap_keeps_or_counts_every_hit() {
+        let l = Ledger::new(2);
+        let (a, s) = key("a");
+        let (b, _) = key("b");
+        let (c, _) = key("c");
+        l.record_local(&a, &s, 1, 10, 5);
+        l.record_redis(&b, &s, 1_000, 20, &item(1, 99, 1, 1));
+        l.record_local(&c, &s, 1, 30, 1);
+        assert!(l.len() <= 2);
+        let dropped = l.dropped_usage.load(Ordering::Relaxed);
+        let (_, pending, _) = l.pending();
+        assert_eq!(
+            pending + dropped as i64,
+            6,
+            "usage is either kept or counted as dropped"
+        );
+    }
+}
