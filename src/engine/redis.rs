@@ -216,14 +216,19 @@ impl RedisEngine {
         self.epoch.fetch_add(1, Ordering::SeqCst) + 1
     }
 
-    fn args(&self, batch: &Batch, index: u64, expected: &[i64]) -> (Vec<String>, Vec<String>) {
+    fn args(
+        &self,
+        batch: &Batch,
+        index: u64,
+        expected: &[(i64, u64)],
+    ) -> (Vec<String>, Vec<String>) {
         let keys = batch
             .charges
             .iter()
             .map(|c| keys::counter_base(&self.prefix, &c.key))
             .collect();
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let mut args = Vec::with_capacity(5 + 7 * batch.charges.len());
+        let mut args = Vec::with_capacity(5 + 8 * batch.charges.len());
         args.push(index.to_string());
         args.push(self.epoch().to_string());
         args.push(if batch.never_deny { "1" } else { "0" }.to_string());
@@ -236,7 +241,9 @@ impl RedisEngine {
             args.push(c.spec.burst.to_string());
             args.push(c.hits.min(MAX_HITS).to_string());
             args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
-            args.push(expected.get(i).copied().unwrap_or(-1).to_string());
+            let (count, window) = expected.get(i).copied().unwrap_or((-1, 0));
+            args.push(count.to_string());
+            args.push(window.to_string());
         }
         (keys, args)
     }
@@ -245,7 +252,7 @@ impl RedisEngine {
         &self,
         batch: &Batch,
         index: u64,
-        expected: &[i64],
+        expected: &[(i64, u64)],
     ) -> Result<Vec<i64>, CallError> {
         let (keys, args) = self.args(batch, index, expected);
         let result = self.redis.decide(keys, args).await;
@@ -258,9 +265,13 @@ impl RedisEngine {
         result
     }
 
-    /// One decision in Redis. `expected[i]` is this replica's known own count
-    /// for charge i's current window (-1 unknown), for data-loss detection.
-    pub async fn decide_raw(&self, batch: &Batch, expected: &[i64]) -> Result<RawReply, CallError> {
+    /// One decision in Redis. `expected[i]` is this replica's confirmed
+    /// count for charge i in a window (-1 unknown), for data-loss detection.
+    pub async fn decide_raw(
+        &self,
+        batch: &Batch,
+        expected: &[(i64, u64)],
+    ) -> Result<RawReply, CallError> {
         let Some(index) = self.membership.index() else {
             return Err(CallError::NotConnected(
                 "this replica is not registered with Redis yet".into(),

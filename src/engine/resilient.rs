@@ -88,6 +88,11 @@ pub struct ResilientEngine {
     offset_ms: AtomicI64,
     /// Live members as last seen while Redis was reachable.
     members: AtomicUsize,
+    /// After recovery, stay on leases until this time (ms) and one final
+    /// replay: the other replicas may still be deciding on their leases, and
+    /// Redis does not hold those grants yet.
+    settle_until_ms: AtomicU64,
+    settling: std::sync::atomic::AtomicBool,
     cfg: ResilientConfig,
     wake: Notify,
     pub stats: Stats,
@@ -140,6 +145,8 @@ impl ResilientEngine {
             breaker: Mutex::new(Breaker::new(cfg.breaker, now)),
             offset_ms: AtomicI64::new(0),
             members: AtomicUsize::new(cfg.replicas_hint.max(1)),
+            settle_until_ms: AtomicU64::new(0),
+            settling: std::sync::atomic::AtomicBool::new(false),
             redis,
             clock,
             cfg,
@@ -182,8 +189,20 @@ impl ResilientEngine {
         let t = f(&mut self.breaker.lock());
         if let Some(t) = t {
             Self::log_transition(&t);
+            if t.to == BreakerState::Healthy {
+                self.settle_until_ms
+                    .store(t.at_ms + self.settle_ms(), Ordering::Release);
+                self.settling.store(true, Ordering::Release);
+            }
             self.wake.notify_one();
         }
+    }
+
+    /// How long a recovered replica stays on leases: long enough for every
+    /// other replica to have probed, replayed and come back too.
+    fn settle_ms(&self) -> u64 {
+        let b = self.cfg.breaker;
+        2 * (b.probe_interval_ms + b.probe_jitter_ms) + self.cfg.deadline_ms
     }
 
     fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
@@ -258,6 +277,7 @@ impl ResilientEngine {
     /// membership and the ledger current. Stops on `stop`.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut last_sweep = 0u64;
+        let mut reregistrations = self.redis.membership().state().reregistrations;
         loop {
             let state = self.breaker_state();
             let delay = match state {
@@ -274,11 +294,17 @@ impl ResilientEngine {
                 _ = stop.wait_for(|s| *s) => return,
             }
             let now = self.clock.now_ms();
-            if state == BreakerState::Healthy {
-                let live = self.redis.membership().state().live.len();
-                if live > 0 {
-                    self.members.store(live, Ordering::Relaxed);
-                }
+            let membership = self.redis.membership().state();
+            if state == BreakerState::Healthy && !membership.live.is_empty() {
+                self.members.store(membership.live.len(), Ordering::Relaxed);
+            }
+            if membership.reregistrations != reregistrations {
+                // Redis came back without its data: re-assert every live window.
+                reregistrations = membership.reregistrations;
+                self.stats
+                    .data_loss_detected
+                    .fetch_add(1, Ordering::Relaxed);
+                self.ledger.reassert_all();
             }
             if now >= last_sweep + 1_000 {
                 last_sweep = now;
@@ -286,13 +312,33 @@ impl ResilientEngine {
                     .sweep(self.redis_now(now), self.cfg.expiry_margin_ms);
                 self.local.sweep(self.redis_now(now));
             }
+            if state == BreakerState::Healthy
+                && self.settling.load(Ordering::Acquire)
+                && now >= self.settle_until_ms.load(Ordering::Acquire)
+            {
+                // One last replay of this replica's lease grants, then Redis.
+                self.replay_round(state).await;
+                let (_, unreplayed, suspect) = self.ledger.pending();
+                if unreplayed == 0 && suspect == 0 && self.breaker_state() == BreakerState::Healthy
+                {
+                    self.settling.store(false, Ordering::Release);
+                    tracing::info!("settled: deciding on Redis again");
+                }
+                continue;
+            }
             match state {
                 BreakerState::Tripped => {
-                    let timeout = Duration::from_millis(self.cfg.deadline_ms.max(50));
-                    if self.redis.redis().ping(timeout).await.is_ok()
-                        && self.redis.membership().index().is_some()
-                    {
-                        self.transition(|b| b.on_probe_ok(self.clock.now_ms()));
+                    // The probe is a membership heartbeat: a round trip
+                    // through the same script path decisions use, which also
+                    // tells whether Redis still knows this replica.
+                    match self.redis.membership().beat().await {
+                        Ok(()) if self.redis.membership().index().is_some() => {
+                            self.transition(|b| b.on_probe_ok(self.clock.now_ms()));
+                        }
+                        Ok(()) => {
+                            tracing::debug!("probe answered but this replica has no index yet")
+                        }
+                        Err(e) => tracing::debug!(error = %e, "probe failed"),
                     }
                 }
                 BreakerState::Probing | BreakerState::Healthy => self.replay_round(state).await,
@@ -356,14 +402,18 @@ impl ResilientEngine {
 impl Engine for ResilientEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
         let now = self.clock.now_ms();
+        let redis_now = self.redis_now(now);
         let use_redis = self.breaker.lock().allows_redis()
+            && !self.settling.load(Ordering::Acquire)
             && !batch.charges.iter().any(|c| self.ledger.is_suspect(&c.key));
         if use_redis {
-            let redis_now = self.redis_now(now);
-            let expected: Vec<i64> = batch
+            let expected: Vec<(i64, u64)> = batch
                 .charges
                 .iter()
-                .map(|c| self.ledger.expected(&c.key, window_of(&c.spec, redis_now)))
+                .map(|c| {
+                    let w = window_of(&c.spec, redis_now);
+                    (self.ledger.expected(&c.key, w), w)
+                })
                 .collect();
             for c in &batch.charges {
                 self.ledger.note_issue(&c.key, &c.spec, now);
@@ -398,10 +448,15 @@ impl Engine for ResilientEngine {
         let b = self.breaker.lock();
         let history: Vec<_> = b.history().cloned().collect();
         let (replay_keys, unreplayed_hits, suspect_keys) = self.ledger.pending();
-        let path = if b.allows_redis() { "redis" } else { "local" };
+        let path = if b.allows_redis() && !self.settling.load(Ordering::Acquire) {
+            "redis"
+        } else {
+            "local"
+        };
         serde_json::json!({
             "engine": "resilient",
             "path": path,
+            "settling": self.settling.load(Ordering::Acquire),
             "breaker": {
                 "state": b.state().as_str(),
                 "since_ms": b.since_ms(),

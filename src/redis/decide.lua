@@ -9,11 +9,12 @@
 -- ARGV[3]  never_deny: "1" in global shadow mode
 -- ARGV[4]  expiry margin in ms, added to every key's natural lifetime
 -- ARGV[5]  call id, unique per replica incarnation (sliding-log member ids)
--- ARGV[6 + 7*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
+-- ARGV[6 + 8*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
 --          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota),
---          expected: this replica's own count in the current window as it
---          knows it (-1 unknown). A field below it means Redis lost data.
+--          expected: this replica's confirmed count in window `expected_w`
+--          (-1 unknown), expected_w. When the call lands in that window and
+--          the field is below it, Redis lost data.
 --
 -- Reply: {status, now_ms, denied, lost, then per charge: over, remaining,
 --         reset_ms, own, total, delta}. status 1 = applied or denied; -1 =
@@ -83,7 +84,7 @@ local writes = {}
 local roles = {}
 
 for i = 1, n do
-  local o = 6 + 7 * (i - 1)
+  local o = 6 + 8 * (i - 1)
   local algo = tonumber(ARGV[o])
   local limit = tonumber(ARGV[o + 1])
   local unit = tonumber(ARGV[o + 2])
@@ -92,6 +93,7 @@ for i = 1, n do
   local flags = tonumber(ARGV[o + 5])
   local refund = flags % 2 == 1
   local expected = tonumber(ARGV[o + 6])
+  local expected_w = tonumber(ARGV[o + 7])
   roles[i] = math.floor(flags / 2)
   local base = KEYS[i]
   local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0, delta = 0}
@@ -101,7 +103,7 @@ for i = 1, n do
     local key = base .. '@' .. w
     local cur = window(key)
     if cur.fence > epoch then stale = true end
-    if expected >= 0 and cur.own < expected then lost = true end
+    if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
     local weighted = 0
     local prev_own = 0
     local cur_local = cur.own_local
@@ -211,7 +213,7 @@ for i = 1, n do
     local w = math.floor(now / unit)
     local ckey = base .. '@' .. w
     local use = window(ckey)
-    if expected >= 0 and use.own < expected then lost = true end
+    if expected >= 0 and w == expected_w and use.own < expected then lost = true end
     -- What this charge drew from the bucket: its hits when admitted, what
     -- was left when charged past empty (shadow); always an integer.
     local consumed = 0

@@ -31,7 +31,8 @@
 //!
 //! Membership keys live under the `{leasehold}` tag: `members` (sorted set,
 //! id → last seen), `index` (hash, id → field index), `index-owner` (index →
-//! id), `next-index`, and `owner:<id>` (the live incarnation's nonce, with a
+//! id), `next-index`, `incarnation` (a token created once per dataset, so
+//! replicas notice a Redis that lost its data), and `owner:<id>` (the live incarnation's nonce, with a
 //! TTL). The registry expires a day after the last heartbeat.
 
 use crate::engine::CounterKey;
@@ -52,8 +53,9 @@ pub fn counter_base(prefix: &str, key: &CounterKey) -> String {
     out
 }
 
-/// Membership keys: (owner of `id`, members, index, next index, index owners).
-pub fn membership(prefix: &str, id: &str) -> [String; 5] {
+/// Membership keys: (owner of `id`, members, index, next index, index
+/// owners, incarnation).
+pub fn membership(prefix: &str, id: &str) -> [String; 6] {
     let mut escaped = String::new();
     for c in id.chars() {
         match c {
@@ -68,6 +70,7 @@ pub fn membership(prefix: &str, id: &str) -> [String; 5] {
         format!("{prefix}{{leasehold}}:index"),
         format!("{prefix}{{leasehold}}:next-index"),
         format!("{prefix}{{leasehold}}:index-owner"),
+        format!("{prefix}{{leasehold}}:incarnation"),
     ]
 }
 

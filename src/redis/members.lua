@@ -7,13 +7,15 @@
 --          this replica writes in counter hashes)
 -- KEYS[4]  next index counter
 -- KEYS[5]  index owners: hash, index -> id (so an index is never given twice)
+-- KEYS[6]  incarnation: a token created once per Redis dataset; when it
+--          changes, Redis lost its data (restarted empty or failed over)
 -- ARGV[1]  replica id, ARGV[2] incarnation nonce, ARGV[3] TTL in ms,
 -- ARGV[4]  "beat" (register or refresh) or "leave",
 -- ARGV[5]  the index this replica used before (0: none): after Redis lost
 --          its data, a replica gets its old index back when it is free, so
 --          its counter fields keep their meaning
 --
--- Reply: {1, index, now_ms, live ids...} on success; {0, other nonce} when
+-- Reply: {1, index, now_ms, incarnation, live ids...} on success; {0, other nonce} when
 -- another live incarnation owns the id (two writers of one field would
 -- corrupt replay, so the caller must not use it).
 local t = redis.call('TIME')
@@ -32,6 +34,8 @@ redis.call('SET', KEYS[1], nonce, 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, id)
 -- Forget members silent for a day; their index stays reserved.
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 86400000)
+redis.call('SET', KEYS[6], nonce .. '@' .. now, 'NX')
+local incarnation = redis.call('GET', KEYS[6])
 local idx = redis.call('HGET', KEYS[3], id)
 if not idx then
   local want = tonumber(ARGV[5]) or 0
@@ -48,10 +52,10 @@ if not idx then
   redis.call('HSET', KEYS[3], id, idx)
 end
 -- The registry outlives its members by a day, then disappears.
-for k = 2, 5 do
+for k = 2, 6 do
   redis.call('PEXPIRE', KEYS[k], 86400000)
 end
-local reply = {1, tonumber(idx), now}
+local reply = {1, tonumber(idx), now, incarnation}
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - ttl, '+inf')
 for _, m in ipairs(live) do
   reply[#reply + 1] = m

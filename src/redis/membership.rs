@@ -26,6 +26,10 @@ pub struct MemberState {
     /// Set when another live incarnation owns this id.
     pub conflict: Option<String>,
     pub last_error: Option<String>,
+    /// The Redis dataset's incarnation token, as of the last beat.
+    pub incarnation: Option<String>,
+    /// Times the incarnation changed: each one means Redis lost its data.
+    pub reregistrations: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +42,7 @@ pub enum MembershipError {
 
 pub struct Membership {
     redis: Arc<Redis>,
-    keys: [String; 5],
+    keys: [String; 6],
     id: String,
     nonce: String,
     ttl: Duration,
@@ -105,8 +109,17 @@ impl Membership {
         let int = |v: Option<&Value>| v.and_then(|v| v.as_i64());
         match int(reply.first()) {
             Some(1) => {
-                let live = reply.iter().skip(3).filter_map(|v| v.as_string()).collect();
+                let live = reply.iter().skip(4).filter_map(|v| v.as_string()).collect();
+                let incarnation = reply.get(3).and_then(|v| v.as_string());
                 let mut s = self.state.write();
+                if s.incarnation.is_some() && incarnation.is_some() && s.incarnation != incarnation
+                {
+                    s.reregistrations += 1;
+                    tracing::warn!(replica_id = %self.id, "Redis is a new dataset (restarted empty or failed over): its data is lost");
+                }
+                if incarnation.is_some() {
+                    s.incarnation = incarnation;
+                }
                 s.index = int(reply.get(1)).map(|i| i as u64);
                 s.last_beat_ms = int(reply.get(2)).map(|i| i as u64);
                 s.live = live;

@@ -167,7 +167,8 @@ impl Redis {
         });
         let client = builder.build().ok()?;
         let outcome = tokio::time::timeout(timeout, client.init()).await;
-        let _ = client.quit().await;
+        // quit() can wait on a peer that never answers: bound it too.
+        let _ = tokio::time::timeout(timeout, client.quit()).await;
         match outcome {
             Ok(Ok(_)) => None,
             Ok(Err(e)) => Some(e.to_string()),

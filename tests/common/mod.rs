@@ -3,6 +3,8 @@
 //! HTTP/1.1 client, and a leasehold server started from the built binary.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -341,15 +343,20 @@ impl RedisServer {
 
     /// Kills (SIGKILL) and starts a new, empty redis-server on the same port.
     pub fn restart_empty(&mut self) {
+        self.kill();
+        self.start_again();
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub fn kill(&mut self) {
         self.proc.signal("KILL");
         let _ = self.proc.wait_exit(Duration::from_secs(5));
+    }
+
+    /// Starts a new, empty redis-server on the same port.
+    pub fn start_again(&mut self) {
         let name = self.proc.name.clone();
-        self.proc = Self::spawn(
-            &format!("{name}-restarted"),
-            &self.dir,
-            self.port,
-            &self.extra,
-        );
+        self.proc = Self::spawn(&format!("{name}-again"), &self.dir, self.port, &self.extra);
         self.wait_ready();
     }
 }
