@@ -222,6 +222,7 @@ pub async fn redis_engine(
         settings.redis_prefix.clone(),
         settings.redis_expiry_margin_ms,
         boot,
+        SystemClock.now_ms().saturating_mul(1_000),
     );
     Ok((Arc::new(engine), redis))
 }

@@ -249,17 +249,23 @@ fn assert_redis_equals_grants(
     tag: &str,
     per_window: &BTreeMap<u64, u64>,
 ) {
+    let mut report = Vec::new();
+    let mut bad = false;
     for (end, ok) in per_window {
         let index = end / 1000 - 1;
         let key = format!("lh:{{f}}|{algo_key}=hot#1:{tag}@{index}");
         let total = redis_total(&c.redis, &key);
-        assert_eq!(
-            total,
-            Some(*ok as i64),
-            "window ending {end}: Redis holds {total:?}, grants were {ok}; fields: {:?}; all windows: {per_window:?}",
+        bad |= total != Some(*ok as i64);
+        report.push(format!(
+            "{end}: grants {ok}, Redis {total:?} {:?}",
             c.redis.cli(&["HGETALL", &key]).lines().collect::<Vec<_>>()
-        );
+        ));
     }
+    assert!(
+        !bad,
+        "Redis does not hold exactly the grants:\n{}",
+        report.join("\n")
+    );
 }
 
 fn assert_no_errors(samples: &[Sample]) {

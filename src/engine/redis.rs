@@ -175,19 +175,23 @@ pub struct ReplayEntry {
 const REPLAY_BATCH: usize = 200;
 
 impl RedisEngine {
+    /// `epoch_start` must exceed any epoch a previous incarnation of this
+    /// replica used (its fences and replay versions stay in Redis): the
+    /// caller passes the start time in microseconds.
     pub fn new(
         redis: Arc<Redis>,
         membership: Arc<Membership>,
         prefix: String,
         margin_ms: u64,
         boot: String,
+        epoch_start: u64,
     ) -> Self {
         RedisEngine {
             redis,
             membership,
             prefix,
             margin_ms,
-            epoch: AtomicU64::new(1),
+            epoch: AtomicU64::new(epoch_start.max(1)),
             calls: AtomicU64::new(0),
             boot,
             demand: DemandBook::new(100_000),

@@ -17,7 +17,9 @@
 --          the field is below it, Redis lost data.
 --
 -- Reply: {status, now_ms, denied, lost, then per charge: over, remaining,
---         reset_ms, own, total, delta}. status 1 = applied or denied; -1 =
+--         reset_ms, own, total, delta}. own/total: this replica's count and
+--         the key's total in the previous (complete) window, for demand
+--         shares. status 1 = applied or denied; -1 =
 --         stale: this replica's epoch is below a fence on one of the keys, so
 --         nothing was written and the caller must not count this call. lost
 --         = 1 when an own field was below what the replica knew it to be
@@ -105,13 +107,11 @@ for i = 1, n do
     if cur.fence > epoch then stale = true end
     if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
     local weighted = 0
-    local prev_own = 0
-    local cur_local = cur.own_local
-    local prev_total = 0
+    -- The previous window is complete, so every replica reads the same
+    -- totals for it: demand shares taken from it add up to exactly 1.
+    local prev = window(base .. '@' .. (w - 1))
     if algo == 2 then
-      local prev = window(base .. '@' .. (w - 1))
       if prev.fence > epoch then stale = true end
-      prev_own, prev_total = prev.own + prev.own_local, prev.total
       if prev.total > 0 then
         weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
       end
@@ -134,8 +134,8 @@ for i = 1, n do
     cur.total = cur.total + delta
     cur.own = cur.own + delta
     r.delta = delta
-    r.own = cur.own + cur_local + prev_own
-    r.total = cur.total + prev_total
+    r.own = prev.own + prev.own_local
+    r.total = prev.total
     local expire_at = (w + 1) * unit + margin
     if algo == 2 then expire_at = expire_at + unit end
     if delta ~= 0 then
@@ -222,8 +222,9 @@ for i = 1, n do
     end
     use.total = use.total + consumed
     use.own = use.own + consumed
-    r.own = use.own + use.own_local
-    r.total = use.total
+    local prev_use = window(base .. '@' .. (w - 1))
+    r.own = prev_use.own + prev_use.own_local
+    r.total = prev_use.total
     r.delta = consumed
     writes[#writes + 1] = {'bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin}
   end

@@ -16,6 +16,12 @@
 --                    fence). The caller sends it only when no Redis-path
 --                    call for the key can still be in flight.
 --
+-- Every write is guarded by an epoch (the replica raises it for each replay
+-- call): "v<idx>" for the local field, the fence "f<idx>" for the repair. A
+-- replay call that Redis executes late (its reply lost, or queued behind a
+-- reconnect) finds a newer epoch and writes nothing, so an older value can
+-- never overwrite a newer one.
+--
 -- KEYS[i]  base key of entry i (all with one hash tag, so one slot)
 -- ARGV[1]  this replica's index, ARGV[2] its current epoch, ARGV[3] expiry
 --          margin in ms
@@ -29,6 +35,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fence = 'f' .. me
 local local_field = 'o' .. me
+local version = 'v' .. me
+local epoch_n = tonumber(epoch)
 local written = 0
 for i = 1, #KEYS do
   local o = 4 + 7 * (i - 1)
@@ -43,7 +51,10 @@ for i = 1, #KEYS do
   local key = base .. '@' .. w
   local life = (w + 1) * unit + margin
   if algo == 2 then life = life + unit end
-  if life > now and (algo == 1 or algo == 2 or algo == 4) then
+  local guard = version
+  if kind ~= 1 then guard = fence end
+  local current = tonumber(redis.call('HGET', key, guard)) or 0
+  if life > now and (algo == 1 or algo == 2 or algo == 4) and epoch_n >= current then
     if kind == 1 then
       if algo == 4 then
         -- Draw from the bucket the tokens Redis has not seen yet, once: the
@@ -68,7 +79,7 @@ for i = 1, #KEYS do
           redis.call('PEXPIRE', base, full_in + margin)
         end
       end
-      redis.call('HSET', key, local_field, value)
+      redis.call('HSET', key, local_field, value, version, epoch)
     else
       redis.call('HSET', key, me, value, fence, epoch)
       if algo == 4 and redis.call('EXISTS', base) == 1 then
