@@ -45,7 +45,7 @@ struct Entry {
     spec: LimitSpec,
     windows: Vec<WindowTally>,
     /// (window, remaining) from the last Redis reply.
-    last_remaining: Option<(u64, u64)>,
+    last_remaining: Option<(u64, u64, u64)>,
     /// This replica's part of the key's traffic, from the last reply.
     demand: Option<f64>,
     /// A Redis call may have applied without this replica knowing.
@@ -244,7 +244,7 @@ impl Ledger {
         let window = window_of(spec, redis_now_ms);
         self.with_entry(key, spec, now_ms, |e| {
             e.window_mut(window).redis_own += item.delta;
-            e.last_remaining = Some((window, item.remaining));
+            e.last_remaining = Some((window, item.remaining, redis_now_ms));
             if item.own >= 0 && item.total > 0 {
                 e.demand = Some((item.own.min(item.total) as f64) / (item.total as f64));
             }
@@ -300,13 +300,27 @@ impl Ledger {
         }
     }
 
-    /// Lease inputs: (demand share, remaining Redis last reported for `window`).
-    pub fn lease_inputs(&self, key: &CounterKey, window: u64) -> (Option<f64>, Option<u64>) {
+    /// Lease inputs at Redis time `redis_now_ms`: (demand share, what
+    /// remains of the limit as Redis last said). For windowed algorithms
+    /// that is the last remaining of the current window; for a token bucket,
+    /// the tokens left at last contact plus what has refilled since.
+    pub fn lease_inputs(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        redis_now_ms: u64,
+    ) -> (Option<f64>, Option<u64>) {
         self.shard(key).lock().get(key).map_or((None, None), |e| {
-            let remaining = e
-                .last_remaining
-                .filter(|(w, _)| *w == window)
-                .map(|(_, r)| r);
+            let remaining = e.last_remaining.and_then(|(w, r, at)| {
+                if spec.algorithm == Algorithm::TokenBucket {
+                    let refilled = redis_now_ms.saturating_sub(at) as f64
+                        * f64::from(spec.requests_per_unit)
+                        / spec.unit.millis() as f64;
+                    Some(((r as f64 + refilled).min(f64::from(spec.burst))) as u64)
+                } else {
+                    (w == window_of(spec, redis_now_ms)).then_some(r)
+                }
+            });
             (e.demand, remaining)
         })
     }
@@ -454,8 +468,8 @@ mod tests {
         l.note_issue(&k, &s, 1_000);
         l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
         assert_eq!(l.expected(&k, 5), 3);
-        assert_eq!(l.lease_inputs(&k, 5), (Some(0.25), Some(97)));
-        assert_eq!(l.lease_inputs(&k, 6), (Some(0.25), None));
+        assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(97)));
+        assert_eq!(l.lease_inputs(&k, &s, 6_000), (Some(0.25), None));
         l.record_local(&k, &s, 5, 1_100, 2);
         l.record_local(&k, &s, 5, 1_100, 1);
         assert!(

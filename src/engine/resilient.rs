@@ -247,8 +247,7 @@ impl ResilientEngine {
                 .charges
                 .iter()
                 .map(|c| {
-                    let window = window_of(&c.spec, redis_now);
-                    let (demand, remaining) = self.ledger.lease_inputs(&c.key, window);
+                    let (demand, remaining) = self.ledger.lease_inputs(&c.key, &c.spec, redis_now);
                     let share = lease_share(demand, members, self.cfg.lease_min_share);
                     Charge {
                         spec: lease_spec(&c.spec, share, remaining),

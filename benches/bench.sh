@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Benchmarks behind the numbers in the issues' closing notes. Not a test:
+# it prints measurements. Needs a release build (cargo build --release
+# --bins --examples), redis-server and redis-benchmark.
+#
+#   benches/bench.sh memory     in-memory engine vs a constant-OK tonic server
+#   benches/bench.sh redis      Redis engine vs memory, EVALSHA ceiling,
+#                               Redis CPU per 1000 decisions, bytes per key
+#   benches/bench.sh outage     Redis up / down (local path) / recovery,
+#                               local path vs memory (median of 3), RSS with
+#                               100,000 keys through an outage
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=target/release/leasehold
+DUR=${DUR:-10}
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+cat > "$WORK/rules.yaml" <<'YAML'
+domain: bench
+descriptors:
+  - key: key
+    rate_limit:
+      unit: second
+      requests_per_unit: 1000000000
+YAML
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+
+start_redis() {
+  REDIS_PORT=${REDIS_PORT:-$(free_port)}
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >"$WORK/redis.log" 2>&1 &
+  REDIS_PID=$!; PIDS+=("$REDIS_PID")
+  until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
+}
+
+# start_leasehold NAME [extra args...]: sets GRPC_<NAME>, HTTP_<NAME>, PID_<NAME>
+start_leasehold() {
+  local name=$1; shift
+  local g h; g=$(free_port); h=$(free_port)
+  "$BIN" serve --rules "$WORK/rules.yaml" --grpc-addr "127.0.0.1:$g" --http-addr "127.0.0.1:$h" --log-level warn "$@" >"$WORK/$name.log" 2>&1 &
+  local pid=$!; PIDS+=("$pid")
+  until curl -sf "127.0.0.1:$h/readyz" >/dev/null 2>&1; do sleep 0.05; done
+  eval "GRPC_$name=$g HTTP_$name=$h PID_$name=$pid"
+}
+
+bench() { # ADDR KEYS -> prints one JSON line
+  "$BIN" bench --addr "127.0.0.1:$1" --domain bench --key key --keys "$2" --concurrency 64 --connections 4 --duration "$DUR" --json
+}
+
+summary() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("%.0f req/s  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  errors %d" % (r["requests_per_second"], r["p50_us"]/1e3, r["p99_us"]/1e3, r["p999_us"]/1e3, r["errors"]))'; }
+
+case "${1:-}" in
+memory)
+  start_leasehold mem
+  CO_PORT=$(free_port); target/release/examples/constant_ok "127.0.0.1:$CO_PORT" & PIDS+=($!); sleep 0.5
+  for keys in 1 10000; do
+    echo "keys=$keys constant-OK: $(bench "$CO_PORT" $keys | summary)"
+    echo "keys=$keys memory:      $(bench "$GRPC_mem" $keys | summary)"
+  done
+  ;;
+redis)
+  start_redis
+  start_leasehold mem
+  # A generous deadline: this measures the Redis path, not the fallback.
+  LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
+  for keys in 1 10000; do
+    echo "keys=$keys memory: $(bench "$GRPC_mem" $keys | summary)"
+    before=$(redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}')
+    r=$(bench "$GRPC_red" $keys)
+    after=$(redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}')
+    n=$(echo "$r" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["requests"])')
+    echo "keys=$keys redis:  $(echo "$r" | summary)  Redis CPU $(python3 -c "print(f'{($after-$before)*1000/$n*1000:.1f}')") ms per 1000 decisions"
+  done
+  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
+  SHA=$(redis-cli -p "$REDIS_PORT" script load "$(cat src/redis/decide.lua)")
+  echo "redis-benchmark EVALSHA (same script, one hot key, 64 clients, pipeline 1):"
+  redis-benchmark -p "$REDIS_PORT" -c 64 -n 400000 -q EVALSHA "$SHA" 1 'lh:{bench}|key=rb#1:fw' 9 1 0 10000 rb 1 1000000000 1000 1000000000 1 0 -1 0 | tr '\r' '\n' | tail -1
+  echo "Redis bytes per active key, four replicas writing (MEMORY USAGE):"
+  for algo in "1 fw" "2 sw" "3 sl" "4 tb"; do
+    set -- $algo
+    key="lh:{mem}|key=k#60:$2"
+    for idx in 1 2 3 4; do
+      for i in $(seq 1 25); do
+        redis-cli -p "$REDIS_PORT" evalsha "$SHA" 1 "$key" "$idx" 0 0 10000 "m$idx.$i" "$1" 100 60000 100 1 0 -1 0 >/dev/null
+      done
+    done
+    for k in $(redis-cli -p "$REDIS_PORT" --scan --pattern "lh:{mem}|key=k#60:$2*"); do
+      echo "  $2 $k: $(redis-cli -p "$REDIS_PORT" memory usage "$k" samples 0) bytes"
+    done
+  done
+  ;;
+outage)
+  start_redis
+  start_leasehold mem
+  start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
+  echo "Redis up:      $(bench "$GRPC_red" 10000 | summary)"
+  kill -9 "$REDIS_PID"; sleep 0.5
+  echo "Redis down:    $(bench "$GRPC_red" 10000 | summary)"
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >>"$WORK/redis.log" 2>&1 & PIDS+=($!)
+  until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
+  echo "Recovery:      $(bench "$GRPC_red" 10000 | summary)"
+  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("breaker:", e["breaker"]["state"], "decisions:", e["decisions"], "replay:", e["replay"])'
+  REDIS_PID=$(pgrep -f "redis-server 127.0.0.1:$REDIS_PORT" | head -1)
+  kill -9 "$REDIS_PID"; sleep 0.5
+  for i in 1 2 3; do
+    echo "run $i local path: $(bench "$GRPC_red" 1 | summary)"
+    echo "run $i memory:     $(bench "$GRPC_mem" 1 | summary)"
+  done
+  echo "RSS through an outage with 100,000 keys:"
+  "$BIN" bench --addr "127.0.0.1:$GRPC_red" --domain bench --key key --keys 100000 --concurrency 64 --connections 4 --duration 15 --json >/dev/null
+  echo "  replica VmRSS: $(awk '/VmRSS/ {print $2, $3}' /proc/$PID_red/status)"
+  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
+  ;;
+*)
+  echo "usage: $0 memory|redis|outage" >&2; exit 2;;
+esac
