@@ -65,10 +65,18 @@ pub async fn run(
             let boot = format!("{:x}", clock.now_ms());
             let (redis_engine, redis) = redis_engine(&settings, url, &replica_id, boot).await?;
             tasks.spawn(redis_engine.membership().clone().run(stop_rx.clone()));
+            let journal = match &settings.journal_dir {
+                Some(dir) => Some(
+                    crate::journal::Journal::open(dir, &replica_id)
+                        .with_context(|| format!("journal_dir {}", dir.display()))?,
+                ),
+                None => None,
+            };
             let resilient = Arc::new(ResilientEngine::new(
                 redis_engine,
                 clock.clone(),
                 settings.resilient(),
+                journal,
             ));
             tasks.spawn(resilient.clone().run(stop_rx.clone()));
             (resilient, Some(redis))

@@ -21,6 +21,7 @@ pub mod deploy;
 pub mod engine;
 pub mod grpc;
 pub mod http;
+pub mod journal;
 pub mod limit;
 pub mod limiter;
 pub mod proto;

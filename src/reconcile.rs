@@ -423,6 +423,52 @@ impl Ledger {
         }
     }
 
+    /// The `n` most recently used keys with their specs, for /status.
+    pub fn recent(&self, n: usize) -> Vec<(CounterKey, LimitSpec)> {
+        let mut all: Vec<(u64, CounterKey, LimitSpec)> = Vec::new();
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                all.push((e.touched_ms, key.clone(), e.spec));
+            }
+        }
+        all.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        all.into_iter().take(n).map(|(_, k, s)| (k, s)).collect()
+    }
+
+    /// Every (key, spec, window, cumulative local count) Redis has not
+    /// confirmed yet: the journal's snapshot.
+    pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64)> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
+                    out.push((key.clone(), e.spec, w.window, w.local_own));
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores a journaled local count (after a restart): it is replayed
+    /// like any other local usage.
+    pub fn restore_local(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        window: u64,
+        now_ms: u64,
+        local_own: i64,
+    ) {
+        if !replayable(spec) {
+            return;
+        }
+        self.with_entry(key, spec, now_ms, |e| {
+            let w = e.window_mut(window);
+            w.local_own = w.local_own.max(local_own);
+            w.local_replayed = 0;
+        });
+    }
+
     /// (keys needing replay, unreplayed hits, suspect keys) for /status
     /// and metrics.
     pub fn pending(&self) -> (usize, i64, usize) {

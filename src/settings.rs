@@ -74,6 +74,9 @@ pub struct Settings {
     pub replicas_hint: usize,
     /// Most keys the replay ledger tracks.
     pub ledger_max_keys: usize,
+    /// Directory for the outage journal: unreplayed lease grants survive a
+    /// restart of this replica. Unset: no journal.
+    pub journal_dir: Option<PathBuf>,
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "leasehold=debug".
     pub log_level: String,
     /// "text" or "json".
@@ -116,6 +119,7 @@ impl Default for Settings {
             lease_min_share: 0.025,
             replicas_hint: 1,
             ledger_max_keys: 200_000,
+            journal_dir: None,
             log_level: "info".into(),
             log_format: "text".into(),
         }

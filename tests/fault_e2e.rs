@@ -536,6 +536,11 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
     let v = status(c.replicas[0].http).unwrap_or_default();
     assert_eq!(v["engine"]["path"], "local", "{v}");
     assert_eq!(v["engine"]["breaker"]["state"], "tripped", "{v}");
+    // Lease sizes are on /status: one key, four members, no demand data yet.
+    let lease = &v["engine"]["leases"][0];
+    assert_eq!(lease["key"], "f|fw=h#1:fw", "{v}");
+    assert_eq!(lease["lease"], 25, "{v}");
+    assert_eq!(v["engine"]["ledger"]["unreplayed_hits"], 5, "{v}");
 }
 
 /// Admitted per second of the test's clock (for algorithms whose reset is
@@ -609,4 +614,111 @@ async fn token_bucket_and_sliding_log_through_an_outage() {
             assert!(replayed as u64 >= local_grants, "tokens used during the outage reached Redis: replayed {replayed}, outage grants {local_grants}");
         }
     }
+}
+
+/// With `journal_dir`, lease grants a replica made while cut off from Redis
+/// survive a kill -9 of the replica and reach Redis when it starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journaled_outage_usage_survives_a_replica_crash() {
+    let dir = test_dir("journal");
+    let redis = RedisServer::start("redis", &dir);
+    let proxy = FaultProxy::start(redis.port).await;
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("j.yaml"), "domain: j\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n").expect("write");
+    let journal = dir.join("journal");
+    let url = proxy.url();
+    let journal_s = journal.display().to_string();
+    let env = [
+        ("LEASEHOLD_REDIS_URL", url.as_str()),
+        ("LEASEHOLD_REDIS_DEADLINE_MS", "50"),
+        ("LEASEHOLD_MEMBERSHIP_HEARTBEAT_MS", "200"),
+        ("LEASEHOLD_MEMBERSHIP_TTL_MS", "1000"),
+        ("LEASEHOLD_BREAKER_PROBE_INTERVAL_MS", "200"),
+        ("LEASEHOLD_BREAKER_PROBE_JITTER_MS", "50"),
+        ("LEASEHOLD_JOURNAL_DIR", journal_s.as_str()),
+    ];
+    // Stay inside one minute window for the whole test.
+    let into = now_ms() % 60_000;
+    if into > 35_000 {
+        tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
+    }
+    let window = now_ms() / 60_000;
+    let call = |client: RateLimitServiceClient<Channel>| async move {
+        let mut client = client;
+        let req = RateLimitRequest {
+            domain: "j".into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "k".into(),
+                    value: "v".into(),
+                }],
+                ..Default::default()
+            }],
+            hits_addend: 0,
+        };
+        let r = client
+            .should_rate_limit(req)
+            .await
+            .expect("answered")
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+    };
+    let first = tokio::task::block_in_place(|| {
+        Leasehold::start("first", &rules, &["--replica-id", "j1"], &env, &dir)
+    });
+    let client = RateLimitServiceClient::connect(first.grpc_uri())
+        .await
+        .expect("connect");
+    for _ in 0..5 {
+        call(client.clone()).await;
+    }
+    proxy.set(Mode::Blackhole);
+    for _ in 0..30 {
+        call(client.clone()).await;
+    }
+    let file = journal.join("j1.journal.json");
+    let written = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || {
+            std::fs::read_to_string(&file).is_ok_and(|t| t.contains("\"local_own\":30"))
+        })
+    });
+    assert!(
+        written,
+        "journal holds the 30 lease grants: {:?}",
+        std::fs::read_to_string(&file)
+    );
+    let mut first = first;
+    first.proc.signal("KILL");
+    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    proxy.set(Mode::Pass);
+    proxy.cut();
+    let second = tokio::task::block_in_place(|| {
+        Leasehold::start("second", &rules, &["--replica-id", "j1"], &env, &dir)
+    });
+    assert!(
+        second
+            .proc
+            .log_text()
+            .contains("restored unreplayed lease grants"),
+        "{}",
+        second.proc.log_text()
+    );
+    let key = format!("lh:{{j}}|k=v#60:fw@{window}");
+    let exact = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(15), || {
+            redis_total(&redis, &key) == Some(35)
+        })
+    });
+    assert!(
+        exact,
+        "Redis holds the 5 Redis-path and the 30 journaled grants: {:?}",
+        redis.cli(&["HGETALL", &key])
+    );
+    let emptied = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || {
+            std::fs::read_to_string(&file).is_ok_and(|t| t.trim() == "[]")
+        })
+    });
+    assert!(emptied, "the journal empties once replayed");
 }

@@ -51,6 +51,11 @@ impl CounterKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// A key as [`CounterKey::as_str`] printed it (journal restore).
+    pub fn from_raw(raw: &str) -> Self {
+        CounterKey(Arc::from(raw))
+    }
 }
 
 fn escape_into(out: &mut String, text: &str) {

@@ -35,16 +35,15 @@
 //!
 //! # Demand shares
 //!
-//! Each charge's reply carries this replica's count and the total for the
-//! key's window(s) at no extra round trip; [`DemandBook`] keeps the latest
-//! fraction per key for sizing local leases by demand.
+//! Each charge's reply carries this replica's count and the key's total in
+//! the previous (complete) window at no extra round trip; the resilient
+//! engine's ledger keeps the fraction per key to size leases by demand.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use parking_lot::Mutex;
 
 use super::{Batch, BatchOutcome, CounterKey, DecisionPath, Engine, EngineError, ItemOutcome};
 use crate::limit::{Algorithm, Role};
@@ -56,48 +55,6 @@ use crate::redis::{keys, CallError, Redis};
 /// over any u32 limit anyway.
 pub const MAX_HITS: u64 = 1_000_000_000_000;
 
-/// This replica's share of each key's recent traffic, from script replies.
-pub struct DemandBook {
-    entries: Mutex<HashMap<CounterKey, (u64, u64)>>,
-    cap: usize,
-}
-
-impl DemandBook {
-    pub fn new(cap: usize) -> Self {
-        DemandBook {
-            entries: Mutex::new(HashMap::new()),
-            cap,
-        }
-    }
-
-    fn record(&self, key: &CounterKey, own: i64, total: i64) {
-        if own < 0 || total <= 0 {
-            return;
-        }
-        let mut map = self.entries.lock();
-        if map.len() >= self.cap && !map.contains_key(key) {
-            return;
-        }
-        map.insert(key.clone(), (own as u64, total as u64));
-    }
-
-    /// This replica's fraction of the key's traffic in its current window(s).
-    pub fn share(&self, key: &CounterKey) -> Option<f64> {
-        self.entries
-            .lock()
-            .get(key)
-            .map(|&(own, total)| (own.min(total) as f64) / (total as f64))
-    }
-
-    pub fn len(&self) -> usize {
-        self.entries.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
 pub struct RedisEngine {
     redis: Arc<Redis>,
     membership: Arc<Membership>,
@@ -107,7 +64,6 @@ pub struct RedisEngine {
     calls: AtomicU64,
     /// Distinguishes this incarnation's call ids from a previous one's.
     boot: String,
-    demand: DemandBook,
 }
 
 fn algorithm_code(a: Algorithm) -> u8 {
@@ -194,12 +150,7 @@ impl RedisEngine {
             epoch: AtomicU64::new(epoch_start.max(1)),
             calls: AtomicU64::new(0),
             boot,
-            demand: DemandBook::new(100_000),
         }
-    }
-
-    pub fn demand(&self) -> &DemandBook {
-        &self.demand
     }
 
     pub fn membership(&self) -> &Arc<Membership> {
@@ -300,9 +251,8 @@ impl RedisEngine {
             )));
         }
         let mut items = Vec::with_capacity(n);
-        for (i, charge) in batch.charges.iter().enumerate() {
+        for i in 0..n {
             let r = &reply[4 + 6 * i..10 + 6 * i];
-            self.demand.record(&charge.key, r[3], r[4]);
             items.push(RawItem {
                 over: r[0] == 1,
                 remaining: r[1].max(0) as u64,
@@ -410,7 +360,6 @@ impl Engine for RedisEngine {
             "replica_id": self.membership.id(),
             "membership": self.membership.state(),
             "epoch": self.epoch(),
-            "demand_keys": self.demand.len(),
         })
     }
 }

@@ -95,6 +95,7 @@ pub struct ResilientEngine {
     settling: std::sync::atomic::AtomicBool,
     cfg: ResilientConfig,
     wake: Notify,
+    journal: Option<crate::journal::Journal>,
     pub stats: Stats,
 }
 
@@ -137,9 +138,16 @@ pub fn lease_spec(spec: &LimitSpec, share: f64, remaining: Option<u64>) -> Limit
 }
 
 impl ResilientEngine {
-    pub fn new(redis: Arc<RedisEngine>, clock: Arc<dyn Clock>, cfg: ResilientConfig) -> Self {
+    /// With a journal, the lease grants a previous run of this replica had
+    /// not replayed are restored first and replayed like any others.
+    pub fn new(
+        redis: Arc<RedisEngine>,
+        clock: Arc<dyn Clock>,
+        cfg: ResilientConfig,
+        journal: Option<crate::journal::Journal>,
+    ) -> Self {
         let now = clock.now_ms();
-        ResilientEngine {
+        let engine = ResilientEngine {
             local: MemoryEngine::new(clock.clone()),
             ledger: Ledger::new(cfg.ledger_max_keys),
             breaker: Mutex::new(Breaker::new(cfg.breaker, now)),
@@ -151,7 +159,65 @@ impl ResilientEngine {
             clock,
             cfg,
             wake: Notify::new(),
+            journal,
             stats: Stats::default(),
+        };
+        engine.restore_journal();
+        engine
+    }
+
+    fn restore_journal(&self) {
+        let Some(journal) = &self.journal else { return };
+        match journal.load() {
+            Ok(entries) => {
+                let now = self.clock.now_ms();
+                let mut restored = 0;
+                for e in &entries {
+                    match e.decode() {
+                        Some((key, spec, window, local_own)) => {
+                            if crate::reconcile::window_live(
+                                &spec,
+                                window,
+                                now,
+                                self.cfg.expiry_margin_ms,
+                            ) {
+                                self.ledger
+                                    .restore_local(&key, &spec, window, now, local_own);
+                                restored += 1;
+                            }
+                        }
+                        None => {
+                            tracing::error!(key = %e.key, "journal entry not understood; its usage is dropped")
+                        }
+                    }
+                }
+                if !entries.is_empty() {
+                    tracing::info!(path = %journal.path().display(), restored, "restored unreplayed lease grants from the journal");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot read the journal; starting without it"),
+        }
+    }
+
+    /// Writes the journal snapshot when it changed since the last write.
+    async fn write_journal(&self, last: &mut Option<Vec<crate::journal::JournalEntry>>) {
+        let Some(journal) = &self.journal else { return };
+        let snapshot: Vec<_> = self
+            .ledger
+            .unreplayed_snapshot()
+            .iter()
+            .map(|(k, s, w, n)| crate::journal::JournalEntry::new(k, s, *w, *n))
+            .collect();
+        if last.as_ref() == Some(&snapshot) {
+            return;
+        }
+        let journal = journal.clone();
+        let data = snapshot.clone();
+        let result = tokio::task::spawn_blocking(move || journal.store(&data)).await;
+        match result {
+            Ok(Ok(())) => *last = Some(snapshot),
+            Ok(Err(e)) => tracing::error!(error = %e, "cannot write the journal"),
+            Err(e) => tracing::error!(error = %e, "journal task failed"),
         }
     }
 
@@ -277,6 +343,8 @@ impl ResilientEngine {
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut last_sweep = 0u64;
         let mut reregistrations = self.redis.membership().state().reregistrations;
+        let mut journaled = None;
+        let mut last_journal = 0u64;
         loop {
             let state = self.breaker_state();
             let delay = match state {
@@ -304,6 +372,10 @@ impl ResilientEngine {
                     .data_loss_detected
                     .fetch_add(1, Ordering::Relaxed);
                 self.ledger.reassert_all();
+            }
+            if self.journal.is_some() && now >= last_journal + 100 {
+                last_journal = now;
+                self.write_journal(&mut journaled).await;
             }
             if now >= last_sweep + 1_000 {
                 last_sweep = now;
@@ -452,9 +524,32 @@ impl Engine for ResilientEngine {
         } else {
             "local"
         };
+        let members = self.members.load(Ordering::Relaxed);
+        let redis_now = self.redis_now(self.clock.now_ms());
+        let leases: Vec<_> = self
+            .ledger
+            .recent(20)
+            .into_iter()
+            .map(|(key, spec)| {
+                let (demand, remaining) = self.ledger.lease_inputs(&key, &spec, redis_now);
+                let share = lease_share(demand, members, self.cfg.lease_min_share);
+                let lease = lease_spec(&spec, share, remaining);
+                serde_json::json!({
+                    "key": key.as_str(),
+                    "limit": spec.requests_per_unit,
+                    "unit": spec.unit.as_str(),
+                    "algorithm": spec.algorithm.as_str(),
+                    "demand_share": demand,
+                    "lease_share": share,
+                    "redis_remaining": remaining,
+                    "lease": if spec.algorithm == Algorithm::TokenBucket { lease.burst } else { lease.requests_per_unit },
+                })
+            })
+            .collect();
         serde_json::json!({
             "engine": "resilient",
             "path": path,
+            "leases": leases,
             "settling": self.settling.load(Ordering::Acquire),
             "breaker": {
                 "state": b.state().as_str(),
