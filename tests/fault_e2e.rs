@@ -722,3 +722,31 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     });
     assert!(emptied, "the journal empties once replayed");
 }
+
+/// SIGTERM while Redis is down: the replica still drains and exits 0 within
+/// the grace period (nothing waits on the dead Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_redis_down_exits_promptly() {
+    let dir = test_dir("term-down");
+    let mut redis = RedisServer::start("redis", &dir);
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("f.yaml"), RULES).expect("write rules");
+    let url = redis.url();
+    let env = [
+        ("LEASEHOLD_REDIS_URL", url.as_str()),
+        ("LEASEHOLD_REDIS_DEADLINE_MS", "50"),
+    ];
+    let mut rep = tokio::task::block_in_place(|| {
+        Leasehold::start("r1", &rules, &["--replica-id", "t1"], &env, &dir)
+    });
+    tokio::task::block_in_place(|| redis.kill());
+    rep.proc.signal("TERM");
+    let status = tokio::task::block_in_place(|| rep.proc.wait_exit(Duration::from_secs(8)));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        rep.proc.log_text()
+    );
+}

@@ -302,8 +302,10 @@ impl Redis {
     }
 
     /// Closes the connections.
+    /// Closes the connections; bounded, because QUIT waits for a reply a
+    /// dead or hung Redis never sends.
     pub async fn quit(&self) {
-        let _ = self.pool.quit().await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.pool.quit()).await;
     }
 }
 
