@@ -119,6 +119,21 @@ struct Sample {
     error: Option<String>,
 }
 
+/// One descriptor `key=value` in `domain`.
+fn one(domain: &str, key: &str, value: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: key.into(),
+                value: value.into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
 /// Paced load: `rps[i]` requests per second to replica i, for `run_for`.
 fn start_load(
     c: &Cluster,
@@ -139,17 +154,7 @@ fn start_load(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             while Instant::now() < stop_at {
                 tick.tick().await;
-                let req = RateLimitRequest {
-                    domain: "f".into(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![Entry {
-                            key: key.into(),
-                            value: "hot".into(),
-                        }],
-                        ..Default::default()
-                    }],
-                    hits_addend: 0,
-                };
+                let req = one("f", key, "hot");
                 let t = Instant::now();
                 let res = client.should_rate_limit(req).await;
                 let latency_ms = t.elapsed().as_millis() as u64;
@@ -293,27 +298,57 @@ fn in_range(per_window: &BTreeMap<u64, u64>, from: u64, to: u64) -> BTreeMap<u64
     per_window.range(from..=to).map(|(k, v)| (*k, *v)).collect()
 }
 
-async fn redis_killed_for_several_windows(key: &'static str, tag: &str) {
-    let dir = test_dir(&format!("kill-{key}"));
+/// Runs paced load on `key`, kills Redis `before_ms` in for `outage_ms`,
+/// starts it again empty, and waits until every replica has settled.
+/// Returns the cluster, the samples and the outage's (start, end) times.
+async fn through_a_redis_kill(
+    name: &str,
+    key: &'static str,
+    rps: [u64; 4],
+    before_ms: u64,
+    outage_ms: u64,
+    total_ms: u64,
+) -> (Cluster, Vec<Sample>, u64, u64) {
+    let dir = test_dir(name);
     let mut c = cluster(&dir, false).await;
-    let load = start_load(&c, key, [100, 100, 100, 100], Duration::from_millis(10_500));
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let load = start_load(&c, key, rps, Duration::from_millis(total_ms));
+    tokio::time::sleep(Duration::from_millis(before_ms)).await;
     let killed_at = now_ms();
     tokio::task::block_in_place(|| c.redis.kill());
-    tokio::time::sleep(Duration::from_millis(4_000)).await;
+    tokio::time::sleep(Duration::from_millis(outage_ms)).await;
     let back_at = now_ms();
     tokio::task::block_in_place(|| c.redis.start_again());
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
-
     assert_no_errors(&samples);
-    let per_window = admitted(&samples);
-    // Windows wholly inside the outage.
-    let outage = in_range(
-        &per_window,
+    (c, samples, killed_at, back_at)
+}
+
+/// Full windows wholly inside the outage.
+fn outage_windows(
+    per_window: &BTreeMap<u64, u64>,
+    killed_at: u64,
+    back_at: u64,
+) -> BTreeMap<u64, u64> {
+    in_range(
+        per_window,
         (killed_at / 1000 + 2) * 1000,
         (back_at / 1000) * 1000,
-    );
+    )
+}
+
+async fn redis_killed_for_several_windows(key: &'static str, tag: &str) {
+    let (c, samples, killed_at, back_at) = through_a_redis_kill(
+        &format!("kill-{key}"),
+        key,
+        [100, 100, 100, 100],
+        3_000,
+        4_000,
+        10_500,
+    )
+    .await;
+    let per_window = admitted(&samples);
+    let outage = outage_windows(&per_window, killed_at, back_at);
     assert!(outage.len() >= 3, "several outage windows: {outage:?}");
     assert_within(&outage, 0.95, 1.05, "outage");
     assert_within(&per_window, 0.0, 1.05, "any window");
@@ -338,25 +373,11 @@ async fn redis_killed_sliding_window_even_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_skewed_load_keeps_at_least_ninety_percent() {
-    let dir = test_dir("skew-load");
-    let mut c = cluster(&dir, false).await;
     // 70/10/10/10 of 400 requests per second.
-    let load = start_load(&c, "fw", [280, 40, 40, 40], Duration::from_millis(9_500));
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
-    let killed_at = now_ms();
-    tokio::task::block_in_place(|| c.redis.kill());
-    tokio::time::sleep(Duration::from_millis(4_000)).await;
-    let back_at = now_ms();
-    tokio::task::block_in_place(|| c.redis.start_again());
-    let samples = collect(load).await;
-    tokio::task::block_in_place(|| wait_settled(&c));
-    assert_no_errors(&samples);
+    let (c, samples, killed_at, back_at) =
+        through_a_redis_kill("skew-load", "fw", [280, 40, 40, 40], 3_000, 4_000, 9_500).await;
     let per_window = admitted(&samples);
-    let outage = in_range(
-        &per_window,
-        (killed_at / 1000 + 2) * 1000,
-        (back_at / 1000) * 1000,
-    );
+    let outage = outage_windows(&per_window, killed_at, back_at);
     assert!(outage.len() >= 3, "several outage windows: {outage:?}");
     assert_within(&outage, 0.9, 1.05, "skewed outage");
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
@@ -518,17 +539,7 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
     // Calls keep being answered, on the local path.
     let mut rls = c.clients[0].clone();
     for _ in 0..5 {
-        let req = RateLimitRequest {
-            domain: "f".into(),
-            descriptors: vec![RateLimitDescriptor {
-                entries: vec![Entry {
-                    key: "fw".into(),
-                    value: "h".into(),
-                }],
-                ..Default::default()
-            }],
-            hits_addend: 0,
-        };
+        let req = one("f", "fw", "h");
         rls.should_rate_limit(req)
             .await
             .expect("answered while Redis is down");
@@ -566,24 +577,17 @@ fn admitted_by_clock(samples: &[Sample]) -> BTreeMap<u64, u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_bucket_and_sliding_log_through_an_outage() {
     for key in ["tb", "sl"] {
-        let dir = test_dir(&format!("outage-{key}"));
-        let mut c = cluster(&dir, false).await;
-        let load = start_load(&c, key, [100, 100, 100, 100], Duration::from_millis(8_500));
-        tokio::time::sleep(Duration::from_millis(2_500)).await;
-        let killed_at = now_ms();
-        tokio::task::block_in_place(|| c.redis.kill());
-        tokio::time::sleep(Duration::from_millis(3_500)).await;
-        let back_at = now_ms();
-        tokio::task::block_in_place(|| c.redis.start_again());
-        let samples = collect(load).await;
-        tokio::task::block_in_place(|| wait_settled(&c));
-        assert_no_errors(&samples);
+        let (c, samples, killed_at, back_at) = through_a_redis_kill(
+            &format!("outage-{key}"),
+            key,
+            [100, 100, 100, 100],
+            2_500,
+            3_500,
+            8_500,
+        )
+        .await;
         let per_second = admitted_by_clock(&samples);
-        let outage = in_range(
-            &per_second,
-            (killed_at / 1000 + 2) * 1000,
-            (back_at / 1000) * 1000,
-        );
+        let outage = outage_windows(&per_second, killed_at, back_at);
         assert!(outage.len() >= 2, "{key}: {outage:?}");
         // A bucket refills at the rate (leases: share × rate each); a log
         // admits at most L in any unit. Lease rounding costs a little.
@@ -646,17 +650,7 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     let window = now_ms() / 60_000;
     let call = |client: RateLimitServiceClient<Channel>| async move {
         let mut client = client;
-        let req = RateLimitRequest {
-            domain: "j".into(),
-            descriptors: vec![RateLimitDescriptor {
-                entries: vec![Entry {
-                    key: "k".into(),
-                    value: "v".into(),
-                }],
-                ..Default::default()
-            }],
-            hits_addend: 0,
-        };
+        let req = one("j", "k", "v");
         let r = client
             .should_rate_limit(req)
             .await

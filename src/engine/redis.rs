@@ -117,6 +117,25 @@ pub enum ReplayKind {
     Repair,
 }
 
+impl RawReply {
+    /// The decision part of the reply.
+    pub fn outcome(&self) -> BatchOutcome {
+        BatchOutcome {
+            items: self
+                .items
+                .iter()
+                .map(|i| ItemOutcome {
+                    over: i.over,
+                    remaining: i.remaining,
+                    reset_ms: i.reset_ms,
+                })
+                .collect(),
+            denied: self.denied,
+            path: DecisionPath::Redis,
+        }
+    }
+}
+
 /// One (counter, window) field that replay sets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplayEntry {
@@ -333,20 +352,11 @@ fn unavailable(e: CallError) -> EngineError {
 #[async_trait]
 impl Engine for RedisEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
-        let reply = self.decide_raw(batch, &[]).await.map_err(unavailable)?;
-        Ok(BatchOutcome {
-            items: reply
-                .items
-                .iter()
-                .map(|i| ItemOutcome {
-                    over: i.over,
-                    remaining: i.remaining,
-                    reset_ms: i.reset_ms,
-                })
-                .collect(),
-            denied: reply.denied,
-            path: DecisionPath::Redis,
-        })
+        Ok(self
+            .decide_raw(batch, &[])
+            .await
+            .map_err(unavailable)?
+            .outcome())
     }
 
     fn name(&self) -> &'static str {

@@ -49,9 +49,7 @@ use parking_lot::Mutex;
 use tokio::sync::{watch, Notify};
 
 use super::redis::{RawReply, RedisEngine};
-use super::{
-    Batch, BatchOutcome, Charge, DecisionPath, Engine, EngineError, ItemOutcome, MemoryEngine,
-};
+use super::{Batch, BatchOutcome, Charge, DecisionPath, Engine, EngineError, MemoryEngine};
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, Transition};
 use crate::clock::Clock;
 use crate::limit::{Algorithm, LimitSpec};
@@ -289,19 +287,7 @@ impl ResilientEngine {
             self.wake.notify_one();
         }
         self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
-        BatchOutcome {
-            items: reply
-                .items
-                .iter()
-                .map(|i| ItemOutcome {
-                    over: i.over,
-                    remaining: i.remaining,
-                    reset_ms: i.reset_ms,
-                })
-                .collect(),
-            denied: reply.denied,
-            path: DecisionPath::Redis,
-        }
+        reply.outcome()
     }
 
     /// Decides on leases, without any network.
