@@ -20,6 +20,7 @@ use crate::engine::{Engine, MemoryEngine, RedisEngine, ResilientEngine};
 use crate::grpc::{RlsService, HEALTH_NAMES};
 use crate::http::{self, Health, HttpState, ReloadStatus};
 use crate::limiter::{Limiter, RulesHandle};
+use crate::metrics::Metrics;
 use crate::redis::membership::Membership;
 use crate::redis::{Redis, RedisConfig};
 use crate::rules::{self, RuleErrors, RuleSet};
@@ -59,6 +60,9 @@ pub async fn run(
     );
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
+    let metrics = Arc::new(
+        Metrics::new(settings.metrics_detailed_max_series).context("registering metrics")?,
+    );
     let (engine, redis): (Arc<dyn Engine>, Option<Arc<Redis>>) = match &settings.redis_url {
         None => (memory.clone(), None),
         Some(url) => {
@@ -78,6 +82,7 @@ pub async fn run(
                 settings.resilient(),
                 journal,
             ));
+            resilient.set_redis_call_histogram(metrics.redis_call_histogram());
             tasks.spawn(resilient.clone().run(stop_rx.clone()));
             (resilient, Some(redis))
         }
@@ -87,8 +92,11 @@ pub async fn run(
     reload.loaded_at_ms.store(clock.now_ms(), Ordering::Relaxed);
     reload.successes.fetch_add(1, Ordering::Relaxed);
     tracing::info!(hash = %rules.hash, files = rules.files.len(), domains = rules.domains.len(), "rules loaded");
+    metrics.reload(true, &rules.hash);
     let handle: RulesHandle = Arc::new(ArcSwap::from_pointee(rules));
-    let limiter = Arc::new(Limiter::new(handle.clone(), engine, settings.decision()));
+    let limiter = Arc::new(
+        Limiter::new(handle.clone(), engine, settings.decision()).with_metrics(metrics.clone()),
+    );
     let health = Arc::new(Health::default());
     health.set_rules_loaded();
 
@@ -113,6 +121,7 @@ pub async fn run(
         settings.clone(),
         handle.clone(),
         reload.clone(),
+        metrics.clone(),
         stop_rx.clone(),
     ));
     tasks.spawn(sweep_loop(
@@ -259,6 +268,7 @@ async fn reload_loop(
     settings: Settings,
     handle: RulesHandle,
     status: Arc<ReloadStatus>,
+    metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut seen = handle.load().hash.clone();
@@ -286,6 +296,7 @@ async fn reload_loop(
             Ok(Ok(set)) => {
                 tracing::info!(hash = %set.hash, domains = set.domains.len(), "rules reloaded");
                 seen = set.hash.clone();
+                metrics.reload(true, &set.hash);
                 handle.store(Arc::new(set));
                 status.successes.fetch_add(1, Ordering::Relaxed);
                 status
@@ -296,6 +307,7 @@ async fn reload_loop(
             Ok(Err(errors)) => {
                 tracing::error!(errors = %errors, "rules reload failed; keeping the previous rules");
                 status.failures.fetch_add(1, Ordering::Relaxed);
+                metrics.reload(false, "");
                 *status.last_error.lock() = Some(errors.to_string());
             }
             Err(e) => tracing::error!(error = %e, "rules reload task failed"),

@@ -67,6 +67,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(readyz))
         .route("/rules", get(rules))
         .route("/status", get(status))
+        .route("/metrics", get(metrics))
         .route("/json", post(json_decide))
         .with_state(state)
 }
@@ -129,6 +130,22 @@ async fn rules(State(s): State<HttpState>) -> Json<Value> {
         "last_error": *s.reload.last_error.lock(),
         "domains": domains,
     }))
+}
+
+/// Prometheus text exposition.
+async fn metrics(State(s): State<HttpState>) -> Response {
+    match s.limiter.metrics() {
+        Some(m) => (
+            StatusCode::OK,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4",
+            )],
+            m.render(&s.limiter.engine().facts()),
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics are not enabled").into_response(),
+    }
 }
 
 async fn status(State(s): State<HttpState>) -> Json<Value> {
@@ -271,7 +288,12 @@ async fn json_decide(State(s): State<HttpState>, body: axum::body::Bytes) -> Res
     };
     let req = match validate::to_domain(proto, &s.bounds) {
         Ok(r) => r,
-        Err(e) => return bad_request(e.to_string()),
+        Err(e) => {
+            if let Some(m) = s.limiter.metrics() {
+                m.request("invalid");
+            }
+            return bad_request(e.to_string());
+        }
     };
     match s.limiter.decide(&req).await {
         Ok(decision) => {

@@ -24,6 +24,7 @@ pub mod http;
 pub mod journal;
 pub mod limit;
 pub mod limiter;
+pub mod metrics;
 pub mod proto;
 pub mod reconcile;
 pub mod redis;

@@ -12,6 +12,7 @@ use arc_swap::ArcSwap;
 
 use crate::engine::{Batch, Charge, CounterKey, DecisionPath, Engine, EngineError};
 use crate::limit::{LimitSpec, Role, Unit};
+use crate::metrics::Metrics;
 use crate::rules::{Rule, RuleSet};
 
 /// One descriptor of a request.
@@ -57,6 +58,8 @@ pub struct Status {
     pub reset_ms: Option<u64>,
     /// The status came from a quota-mode rule.
     pub quota: bool,
+    /// Over its limit but not enforced (a shadow-mode rule).
+    pub shadowed: bool,
 }
 
 impl Status {
@@ -67,6 +70,7 @@ impl Status {
             limit_remaining: 0,
             reset_ms: None,
             quota: false,
+            shadowed: false,
         }
     }
 }
@@ -112,6 +116,7 @@ pub struct Limiter {
     rules: RulesHandle,
     engine: Arc<dyn Engine>,
     settings: DecisionSettings,
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// What each descriptor resolved to before the engine runs.
@@ -123,6 +128,8 @@ enum Plan {
         info: CurrentLimit,
         shadow: bool,
         quota: bool,
+        /// The rule has `detailed_metric`.
+        detailed: bool,
     },
 }
 
@@ -132,7 +139,18 @@ impl Limiter {
             rules,
             engine,
             settings,
+            metrics: None,
         }
+    }
+
+    /// Records decisions in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    pub fn metrics(&self) -> Option<&Arc<Metrics>> {
+        self.metrics.as_ref()
     }
 
     pub fn rules(&self) -> &RulesHandle {
@@ -146,6 +164,10 @@ impl Limiter {
     pub async fn decide(&self, req: &Request) -> Result<Decision, EngineError> {
         let rules = self.rules.load();
         let Some(domain) = rules.domain(&req.domain) else {
+            if let Some(m) = &self.metrics {
+                m.request("ok");
+                m.descriptor_unknown_domain(req.descriptors.len());
+            }
             return Ok(Decision {
                 overall: Code::Ok,
                 statuses: vec![Status::no_limit(); req.descriptors.len()],
@@ -217,6 +239,7 @@ impl Limiter {
                     },
                     shadow: false,
                     quota: role == Role::Quota,
+                    detailed: false,
                 }
             } else {
                 match m {
@@ -252,6 +275,7 @@ impl Limiter {
                             },
                             shadow: rule.shadow_mode,
                             quota,
+                            detailed: rule.detailed_metric,
                         }
                     }
                 }
@@ -260,11 +284,24 @@ impl Limiter {
         }
         drop(rules);
 
+        let started = std::time::Instant::now();
         let outcome = if batch.charges.is_empty() {
             None
         } else {
-            Some(self.engine.apply(&batch).await?)
+            match self.engine.apply(&batch).await {
+                Ok(o) => Some(o),
+                Err(e) => {
+                    if let Some(m) = &self.metrics {
+                        m.request("error");
+                    }
+                    return Err(e);
+                }
+            }
         };
+        let detailed: Vec<bool> = plans
+            .iter()
+            .map(|p| matches!(p, Plan::Limited { detailed: true, .. }))
+            .collect();
 
         let statuses: Vec<Status> = plans
             .into_iter()
@@ -279,6 +316,7 @@ impl Limiter {
                     info,
                     shadow,
                     quota,
+                    ..
                 } => {
                     let item = outcome.as_ref().and_then(|o| o.items.get(charge).copied());
                     let (over, remaining, reset_ms) =
@@ -295,6 +333,7 @@ impl Limiter {
                         limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
                         reset_ms: Some(reset_ms),
                         quota,
+                        shadowed: over && shadow,
                     }
                 }
             })
@@ -309,12 +348,60 @@ impl Limiter {
         } else {
             Vec::new()
         };
-        Ok(Decision {
+        let decision = Decision {
             overall,
             statuses,
             headers,
             path: outcome.map(|o| o.path),
-        })
+        };
+        if let Some(m) = &self.metrics {
+            self.record(
+                m,
+                req,
+                &decision,
+                &detailed,
+                started.elapsed().as_secs_f64(),
+            );
+        }
+        Ok(decision)
+    }
+
+    /// Decision metrics. Only configured domains become label values.
+    fn record(&self, m: &Metrics, req: &Request, d: &Decision, detailed: &[bool], seconds: f64) {
+        let path = d.path.map_or("none", |p| p.as_str());
+        m.request(if d.overall == Code::OverLimit {
+            "over_limit"
+        } else {
+            "ok"
+        });
+        m.decision_latency(path, seconds);
+        for (i, s) in d.statuses.iter().enumerate() {
+            let Some(limit) = &s.current_limit else {
+                continue;
+            };
+            let outcome = if s.shadowed {
+                "shadow"
+            } else if s.code == Code::OverLimit {
+                "over_limit"
+            } else {
+                "ok"
+            };
+            let desc = &req.descriptors[i];
+            let hits = desc.hits.unwrap_or(u64::from(req.hits_addend.max(1)));
+            let near = outcome == "ok"
+                && u64::from(s.limit_remaining) * 5 < u64::from(limit.requests_per_unit);
+            m.descriptor(&req.domain, outcome, path, hits, near);
+            if detailed.get(i).copied().unwrap_or(false) {
+                let mut label = req.domain.clone();
+                for (k, v) in &desc.entries {
+                    label.push('.');
+                    label.push_str(k);
+                    label.push('_');
+                    label.push_str(v);
+                }
+                m.detailed(&req.domain, &label, outcome);
+            }
+        }
     }
 
     /// RateLimit-* headers from the most restrictive status: the lowest

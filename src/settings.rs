@@ -77,6 +77,9 @@ pub struct Settings {
     /// Directory for the outage journal: unreplayed lease grants survive a
     /// restart of this replica. Unset: no journal.
     pub journal_dir: Option<PathBuf>,
+    /// Most distinct series of the per-limit metric (rules with
+    /// detailed_metric); past it, one `overflow` series.
+    pub metrics_detailed_max_series: usize,
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "leasehold=debug".
     pub log_level: String,
     /// "text" or "json".
@@ -120,6 +123,7 @@ impl Default for Settings {
             replicas_hint: 1,
             ledger_max_keys: 200_000,
             journal_dir: None,
+            metrics_detailed_max_series: 1_000,
             log_level: "info".into(),
             log_format: "text".into(),
         }

@@ -664,3 +664,155 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     }
     assert_eq!(plain.status, 200);
 }
+
+fn scrape(addr: std::net::SocketAddr) -> prometheus_parse::Scrape {
+    let r = get(addr, "/metrics").expect("scrape");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .is_some_and(|v| v.starts_with("text/plain")),
+        "{r:?}"
+    );
+    prometheus_parse::Scrape::parse(r.body.lines().map(|l| Ok(l.to_owned())))
+        .expect("the exposition parses")
+}
+
+fn value(s: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    s.samples
+        .iter()
+        .filter(|x| x.metric == metric && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+        .map(|x| match x.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => 0.0,
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_the_calls_made_and_cap_detailed_series() {
+    let dir = test_dir("metrics");
+    let rules = write_rules(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n  - key: shadowed\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: api\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 100000}\n",
+    );
+    let server = Leasehold::start(
+        "leasehold",
+        &rules,
+        &[],
+        &[("LEASEHOLD_METRICS_DETAILED_MAX_SERIES", "10")],
+        &dir,
+    );
+    let mut client = RateLimitServiceClient::connect(server.grpc_uri())
+        .await
+        .expect("connect");
+    for _ in 0..4 {
+        client
+            .should_rate_limit(request("e2e", vec![desc(&[("user", "alice")])]))
+            .await
+            .expect("call");
+    }
+    for _ in 0..2 {
+        client
+            .should_rate_limit(request("e2e", vec![desc(&[("shadowed", "s")])]))
+            .await
+            .expect("call");
+    }
+    client
+        .should_rate_limit(request(
+            "nope",
+            vec![desc(&[("user", "x")]), desc(&[("user", "y")])],
+        ))
+        .await
+        .expect("call");
+    assert!(client
+        .should_rate_limit(request("", vec![desc(&[("user", "x")])]))
+        .await
+        .is_err());
+    for i in 0..1_000 {
+        client
+            .should_rate_limit(request("e2e", vec![desc(&[("api", &format!("key-{i}"))])]))
+            .await
+            .expect("call");
+    }
+
+    let s = tokio::task::spawn_blocking({
+        let addr = server.http;
+        move || scrape(addr)
+    })
+    .await
+    .expect("join");
+    let d = "leasehold_decisions_total";
+    assert_eq!(
+        value(
+            &s,
+            d,
+            &[("domain", "e2e"), ("outcome", "ok"), ("path", "memory"),]
+        ) as u64,
+        3 + 1 + 1_000
+    );
+    assert_eq!(
+        value(&s, d, &[("domain", "e2e"), ("outcome", "over_limit")]) as u64,
+        1
+    );
+    assert_eq!(
+        value(&s, d, &[("domain", "e2e"), ("outcome", "shadow")]) as u64,
+        1
+    );
+    assert_eq!(
+        value(&s, d, &[("domain", "unknown")]) as u64,
+        2,
+        "unconfigured domains share one label"
+    );
+    assert!(
+        !s.samples
+            .iter()
+            .any(|x| x.labels.get("domain") == Some("nope")),
+        "request values never become domain labels"
+    );
+    assert_eq!(
+        value(&s, "leasehold_requests_total", &[("result", "invalid")]) as u64,
+        1
+    );
+    assert_eq!(
+        value(&s, "leasehold_requests_total", &[("result", "over_limit")]) as u64,
+        1
+    );
+    assert_eq!(
+        value(&s, "leasehold_hits_total", &[("domain", "e2e")]) as u64,
+        1_006
+    );
+    assert_eq!(
+        value(
+            &s,
+            "leasehold_rules_reloads_total",
+            &[("result", "success")]
+        ) as u64,
+        1
+    );
+    assert_eq!(value(&s, "leasehold_build_info", &[]) as u64, 1);
+    // A thousand request values on a detailed_metric rule: at most the cap
+    // of series plus one overflow series.
+    let detailed: std::collections::HashSet<String> = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == "leasehold_limit_decisions_total")
+        .filter_map(|x| x.labels.get("limit").map(str::to_owned))
+        .collect();
+    assert_eq!(detailed.len(), 11, "{detailed:?}");
+    assert!(detailed.contains("overflow"));
+    assert_eq!(
+        value(&s, "leasehold_limit_decisions_total", &[]) as u64,
+        1_000
+    );
+    let latency = s
+        .samples
+        .iter()
+        .find(|x| {
+            x.metric == "leasehold_decision_duration_seconds_count"
+                || x.metric == "leasehold_decision_duration_seconds"
+        })
+        .is_some();
+    assert!(latency, "decision latency histogram exposed");
+}

@@ -552,6 +552,24 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
     assert_eq!(lease["key"], "f|fw=h#1:fw", "{v}");
     assert_eq!(lease["lease"], 25, "{v}");
     assert_eq!(v["engine"]["ledger"]["unreplayed_hits"], 5, "{v}");
+    // The same facts as metrics.
+    let body = get(c.replicas[0].http, "/metrics")
+        .map(|r| r.body)
+        .unwrap_or_default();
+    for line in [
+        "leasehold_breaker_state{state=\"tripped\"} 1",
+        "leasehold_unreplayed_hits 5",
+        "leasehold_live_members 4",
+    ] {
+        assert!(
+            body.lines().any(|l| l == line),
+            "missing {line:?} in:\n{body}"
+        );
+    }
+    assert!(
+        body.contains("leasehold_decisions_total{domain=\"f\",outcome=\"ok\",path=\"local\"} 5"),
+        "{body}"
+    );
 }
 
 /// Admitted per second of the test's clock (for algorithms whose reset is

@@ -163,6 +163,24 @@ impl EngineError {
     }
 }
 
+/// Engine facts for metrics, read at scrape time (zero where an engine has
+/// no such thing).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineFacts {
+    /// "healthy", "tripped" or "probing" for engines with a breaker.
+    pub breaker_state: Option<&'static str>,
+    pub breaker_transitions: u64,
+    pub live_members: usize,
+    pub tracked_keys: usize,
+    pub keys_to_replay: usize,
+    pub unreplayed_hits: i64,
+    pub suspect_keys: usize,
+    pub dropped_usage: u64,
+    pub replay_runs: u64,
+    pub replay_entries: u64,
+    pub redis_failures: u64,
+}
+
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
     /// Evaluates and (unless denied) applies a batch atomically.
@@ -174,6 +192,11 @@ pub trait Engine: Send + Sync + 'static {
     /// Engine facts for /status.
     fn status(&self) -> serde_json::Value {
         serde_json::json!({ "engine": self.name() })
+    }
+
+    /// Engine facts for /metrics.
+    fn facts(&self) -> EngineFacts {
+        EngineFacts::default()
     }
 }
 

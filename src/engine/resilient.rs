@@ -95,6 +95,8 @@ pub struct ResilientEngine {
     wake: Notify,
     journal: Option<crate::journal::Journal>,
     pub stats: Stats,
+    /// Latency of Redis decision calls, seconds, once /metrics provides it.
+    redis_call_seconds: std::sync::OnceLock<prometheus::Histogram>,
 }
 
 /// A replica's share of a limit (see the module docs).
@@ -159,6 +161,7 @@ impl ResilientEngine {
             wake: Notify::new(),
             journal,
             stats: Stats::default(),
+            redis_call_seconds: std::sync::OnceLock::new(),
         };
         engine.restore_journal();
         engine
@@ -217,6 +220,11 @@ impl ResilientEngine {
             Ok(Err(e)) => tracing::error!(error = %e, "cannot write the journal"),
             Err(e) => tracing::error!(error = %e, "journal task failed"),
         }
+    }
+
+    /// Where to record the latency of Redis decision calls.
+    pub fn set_redis_call_histogram(&self, h: prometheus::Histogram) {
+        let _ = self.redis_call_seconds.set(h);
     }
 
     pub fn redis(&self) -> &Arc<RedisEngine> {
@@ -476,7 +484,12 @@ impl Engine for ResilientEngine {
             for c in &batch.charges {
                 self.ledger.note_issue(&c.key, &c.spec, now);
             }
-            match self.redis.decide_raw(batch, &expected).await {
+            let started = std::time::Instant::now();
+            let result = self.redis.decide_raw(batch, &expected).await;
+            if let Some(h) = self.redis_call_seconds.get() {
+                h.observe(started.elapsed().as_secs_f64());
+            }
+            match result {
                 Ok(reply) => {
                     self.breaker.lock().on_success();
                     return Ok(self.on_reply(batch, &reply, now));
@@ -500,6 +513,27 @@ impl Engine for ResilientEngine {
 
     fn name(&self) -> &'static str {
         "resilient"
+    }
+
+    fn facts(&self) -> super::EngineFacts {
+        let (state, transitions) = {
+            let b = self.breaker.lock();
+            (b.state(), b.transitions())
+        };
+        let (keys_to_replay, unreplayed_hits, suspect_keys) = self.ledger.pending();
+        super::EngineFacts {
+            breaker_state: Some(state.as_str()),
+            breaker_transitions: transitions,
+            live_members: self.redis.membership().state().live.len(),
+            tracked_keys: self.ledger.len(),
+            keys_to_replay,
+            unreplayed_hits,
+            suspect_keys,
+            dropped_usage: self.ledger.dropped_usage.load(Ordering::Relaxed),
+            replay_runs: self.stats.replay_runs.load(Ordering::Relaxed),
+            replay_entries: self.stats.replayed_entries.load(Ordering::Relaxed),
+            redis_failures: self.stats.redis_failures.load(Ordering::Relaxed),
+        }
     }
 
     fn status(&self) -> serde_json::Value {

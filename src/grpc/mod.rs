@@ -54,8 +54,12 @@ impl RateLimitService for RlsService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let req = validate::to_domain(request.into_inner(), &self.bounds)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let req = validate::to_domain(request.into_inner(), &self.bounds).map_err(|e| {
+            if let Some(m) = self.limiter.metrics() {
+                m.request("invalid");
+            }
+            Status::invalid_argument(e.to_string())
+        })?;
         let decision = self
             .limiter
             .decide(&req)

@@ -1,0 +1,246 @@
+//! Metric names, labels and units in one place, exposed on GET /metrics in
+//! the Prometheus text format (the `prometheus` crate's encoder). Request
+//! metrics are recorded as decisions happen; engine facts (breaker, members,
+//! ledger, replay) are read from the engine at scrape time, so the two views
+//! (/status and /metrics) cannot disagree.
+
+use std::collections::HashSet;
+
+use parking_lot::Mutex;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::engine::EngineFacts;
+
+/// Label value for domains that are not configured, and for detailed
+/// series past the cap.
+pub const UNKNOWN: &str = "unknown";
+pub const OVERFLOW: &str = "overflow";
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+pub struct Metrics {
+    registry: Registry,
+    decisions: IntCounterVec,
+    hits: IntCounterVec,
+    near_limit: IntCounterVec,
+    detailed: IntCounterVec,
+    detailed_series: Mutex<HashSet<String>>,
+    detailed_cap: usize,
+    decision_seconds: HistogramVec,
+    requests: IntCounterVec,
+    reloads: IntCounterVec,
+    rules_info: IntGaugeVec,
+    breaker_state: IntGaugeVec,
+    breaker_transitions: IntCounter,
+    live_members: IntGauge,
+    tracked_keys: IntGauge,
+    keys_to_replay: IntGauge,
+    unreplayed_hits: IntGauge,
+    suspect_keys: IntGauge,
+    dropped_usage: IntCounter,
+    replay_runs: IntCounter,
+    replay_entries: IntCounter,
+    redis_failures: IntCounter,
+    redis_call_seconds: Histogram,
+}
+
+fn counter_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+    let c = IntCounter::new(name, help)?;
+    r.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    let g = IntGauge::new(name, help)?;
+    r.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+/// Raises a counter that mirrors an engine count to `to`.
+fn mirror(c: &IntCounter, to: u64) {
+    let now = c.get();
+    if to > now {
+        c.inc_by(to - now);
+    }
+}
+
+impl Metrics {
+    /// `detailed_cap`: most distinct series of `leasehold_limit_decisions_total`
+    /// (rules with `detailed_metric`); values past it share one series labelled
+    /// `overflow`, so request values can never grow the exposition unboundedly.
+    pub fn new(detailed_cap: usize) -> prometheus::Result<Metrics> {
+        let r = Registry::new();
+        let decision_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "leasehold_decision_duration_seconds",
+                "Time to decide one ShouldRateLimit request, by deciding path.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["path"],
+        )?;
+        r.register(Box::new(decision_seconds.clone()))?;
+        let redis_call_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "leasehold_redis_call_duration_seconds",
+                "Latency of Redis decision calls, failed and late ones included.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        r.register(Box::new(redis_call_seconds.clone()))?;
+        let build = IntGaugeVec::new(
+            Opts::new(
+                "leasehold_build_info",
+                "Build information; the value is always 1.",
+            ),
+            &["version"],
+        )?;
+        r.register(Box::new(build.clone()))?;
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let rules_info = IntGaugeVec::new(
+            Opts::new(
+                "leasehold_rules_info",
+                "The loaded rules' hash; the value is always 1.",
+            ),
+            &["hash"],
+        )?;
+        r.register(Box::new(rules_info.clone()))?;
+        let breaker_state = IntGaugeVec::new(
+            Opts::new(
+                "leasehold_breaker_state",
+                "1 for the breaker's current state (healthy, tripped, probing), 0 otherwise.",
+            ),
+            &["state"],
+        )?;
+        r.register(Box::new(breaker_state.clone()))?;
+        Ok(Metrics {
+            decisions: counter_vec(&r, "leasehold_decisions_total", "Descriptor decisions by domain, outcome (ok, over_limit, shadow) and deciding path (memory, redis, local, none).", &["domain", "outcome", "path"])?,
+            hits: counter_vec(&r, "leasehold_hits_total", "Hits asked for by limited descriptors, by domain and path.", &["domain", "path"])?,
+            near_limit: counter_vec(&r, "leasehold_near_limit_total", "Admitted descriptors that left less than 20% of their limit, by domain.", &["domain"])?,
+            detailed: counter_vec(&r, "leasehold_limit_decisions_total", "Decisions per limit for rules with detailed_metric (capped; see the overflow series).", &["domain", "limit", "outcome"])?,
+            detailed_series: Mutex::new(HashSet::new()),
+            detailed_cap,
+            decision_seconds,
+            requests: counter_vec(&r, "leasehold_requests_total", "ShouldRateLimit requests by result (ok, over_limit, invalid, error).", &["result"])?,
+            reloads: counter_vec(&r, "leasehold_rules_reloads_total", "Rules loads by result (success, failure).", &["result"])?,
+            rules_info,
+            breaker_state,
+            breaker_transitions: counter(&r, "leasehold_breaker_transitions_total", "Breaker state changes.")?,
+            live_members: gauge(&r, "leasehold_live_members", "Live replicas sharing the limits, as last seen in Redis.")?,
+            tracked_keys: gauge(&r, "leasehold_ledger_keys", "Keys tracked by the replay ledger.")?,
+            keys_to_replay: gauge(&r, "leasehold_ledger_keys_to_replay", "Keys with usage Redis has not confirmed yet.")?,
+            unreplayed_hits: gauge(&r, "leasehold_unreplayed_hits", "Lease grants Redis has not confirmed yet.")?,
+            suspect_keys: gauge(&r, "leasehold_suspect_keys", "Keys decided locally until a fenced repair.")?,
+            dropped_usage: counter(&r, "leasehold_dropped_usage_hits_total", "Unreplayed usage dropped because the ledger was full.")?,
+            replay_runs: counter(&r, "leasehold_replay_runs_total", "Replay calls that Redis confirmed.")?,
+            replay_entries: counter(&r, "leasehold_replay_entries_total", "(key, window) fields written by replay.")?,
+            redis_failures: counter(&r, "leasehold_redis_failures_total", "Redis decision calls that failed or missed the deadline.")?,
+            redis_call_seconds,
+            registry: r,
+        })
+    }
+
+    /// The histogram the engine records Redis call latency in.
+    pub fn redis_call_histogram(&self) -> Histogram {
+        self.redis_call_seconds.clone()
+    }
+
+    pub fn request(&self, result: &str) {
+        self.requests.with_label_values(&[result]).inc();
+    }
+
+    pub fn decision_latency(&self, path: &str, seconds: f64) {
+        self.decision_seconds
+            .with_label_values(&[path])
+            .observe(seconds);
+    }
+
+    /// One limited descriptor's decision.
+    pub fn descriptor(&self, domain: &str, outcome: &str, path: &str, hits: u64, near: bool) {
+        self.decisions
+            .with_label_values(&[domain, outcome, path])
+            .inc();
+        self.hits.with_label_values(&[domain, path]).inc_by(hits);
+        if near {
+            self.near_limit.with_label_values(&[domain]).inc();
+        }
+    }
+
+    /// Descriptors of a request for a domain that is not configured.
+    pub fn descriptor_unknown_domain(&self, n: usize) {
+        self.decisions
+            .with_label_values(&[UNKNOWN, "ok", "none"])
+            .inc_by(n as u64);
+    }
+
+    /// A decision of a rule with `detailed_metric`, labelled by its full
+    /// key with the request's values, up to the cap.
+    pub fn detailed(&self, domain: &str, limit: &str, outcome: &str) {
+        let label = {
+            let mut seen = self.detailed_series.lock();
+            if seen.contains(limit) || seen.len() < self.detailed_cap {
+                seen.insert(limit.to_owned());
+                limit
+            } else {
+                OVERFLOW
+            }
+        };
+        self.detailed
+            .with_label_values(&[domain, label, outcome])
+            .inc();
+    }
+
+    pub fn reload(&self, ok: bool, hash: &str) {
+        self.reloads
+            .with_label_values(&[if ok { "success" } else { "failure" }])
+            .inc();
+        if ok {
+            self.rules_info.reset();
+            self.rules_info.with_label_values(&[hash]).set(1);
+        }
+    }
+
+    /// The exposition, with engine facts read now.
+    pub fn render(&self, facts: &EngineFacts) -> String {
+        if let Some(state) = facts.breaker_state {
+            for s in ["healthy", "tripped", "probing"] {
+                self.breaker_state
+                    .with_label_values(&[s])
+                    .set(i64::from(s == state));
+            }
+        }
+        mirror(&self.breaker_transitions, facts.breaker_transitions);
+        self.live_members.set(facts.live_members as i64);
+        self.tracked_keys.set(facts.tracked_keys as i64);
+        self.keys_to_replay.set(facts.keys_to_replay as i64);
+        self.unreplayed_hits.set(facts.unreplayed_hits);
+        self.suspect_keys.set(facts.suspect_keys as i64);
+        mirror(&self.dropped_usage, facts.dropped_usage);
+        mirror(&self.replay_runs, facts.replay_runs);
+        mirror(&self.replay_entries, facts.replay_entries);
+        mirror(&self.redis_failures, facts.redis_failures);
+        let mut out = Vec::new();
+        if TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .is_err()
+        {
+            return String::new();
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
