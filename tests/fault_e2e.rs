@@ -762,3 +762,36 @@ async fn sigterm_with_redis_down_exits_promptly() {
         rep.proc.log_text()
     );
 }
+
+/// Replies lost in the middle of a replay: Redis applied the replay, the
+/// replica never heard back, timed out, tripped again and replayed again.
+/// Replay sets values, so Redis still ends up exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_replies_lost_mid_replay_never_count_twice() {
+    let dir = test_dir("replay-drop");
+    let c = cluster(&dir, true).await;
+    let load = start_load(&c, "fw", [100, 100, 100, 100], Duration::from_millis(8_500));
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    for p in &c.proxies {
+        p.set(Mode::Blackhole);
+    }
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // Redis comes back, but the first reply to each replay call is lost.
+    let sha = leasehold::redis::replay_sha();
+    for p in &c.proxies {
+        p.drop_replies_to(&sha);
+        p.set(Mode::Pass);
+        p.cut();
+    }
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    for p in &c.proxies {
+        p.clear_trap();
+    }
+    let samples = collect(load).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    assert_no_errors(&samples);
+    let dropped: u64 = c.proxies.iter().map(|p| p.dropped_replies()).sum();
+    assert!(dropped >= 1, "the trap dropped replay replies");
+    let per_window = admitted(&samples);
+    assert_redis_equals_grants(&c, "fw", "fw", &per_window);
+}

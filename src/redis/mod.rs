@@ -23,6 +23,11 @@ pub fn decide_sha() -> String {
     fred::util::sha1_hash(DECIDE_LUA)
 }
 
+/// SHA1 of the replay script.
+pub fn replay_sha() -> String {
+    fred::util::sha1_hash(REPLAY_LUA)
+}
+
 /// Connection settings.
 #[derive(Clone, Debug)]
 pub struct RedisConfig {
@@ -50,7 +55,9 @@ pub enum CallError {
 
 impl CallError {
     pub fn maybe_applied(&self) -> bool {
-        matches!(self, CallError::Timeout(_) | CallError::Redis(_))
+        // Only a call that never left is known not to have run; an odd reply
+        // may belong to a call that did.
+        !matches!(self, CallError::NotConnected(_))
     }
 }
 
