@@ -47,6 +47,8 @@ pub struct Metrics {
     replay_entries: IntCounter,
     redis_failures: IntCounter,
     redis_call_seconds: Histogram,
+    replay_seconds: prometheus::Counter,
+    lease_members: IntGauge,
 }
 
 fn counter_vec(
@@ -151,6 +153,12 @@ impl Metrics {
             replay_entries: counter(&r, "leasehold_replay_entries_total", "(key, window) fields written by replay.")?,
             redis_failures: counter(&r, "leasehold_redis_failures_total", "Redis decision calls that failed or missed the deadline.")?,
             redis_call_seconds,
+            replay_seconds: {
+                let c = prometheus::Counter::new("leasehold_replay_duration_seconds_total", "Time spent in replay calls.")?;
+                r.register(Box::new(c.clone()))?;
+                c
+            },
+            lease_members: gauge(&r, "leasehold_lease_members", "Replicas each limit is split across for local leases (a replica's default share is 1/this).")?,
             registry: r,
         })
     }
@@ -234,6 +242,11 @@ impl Metrics {
         mirror(&self.replay_runs, facts.replay_runs);
         mirror(&self.replay_entries, facts.replay_entries);
         mirror(&self.redis_failures, facts.redis_failures);
+        let seen = self.replay_seconds.get();
+        if facts.replay_seconds > seen {
+            self.replay_seconds.inc_by(facts.replay_seconds - seen);
+        }
+        self.lease_members.set(facts.lease_members as i64);
         let mut out = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)

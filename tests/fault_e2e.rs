@@ -560,6 +560,7 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
         "leasehold_breaker_state{state=\"tripped\"} 1",
         "leasehold_unreplayed_hits 5",
         "leasehold_live_members 4",
+        "leasehold_lease_members 4",
     ] {
         assert!(
             body.lines().any(|l| l == line),

@@ -179,6 +179,10 @@ pub struct EngineFacts {
     pub replay_runs: u64,
     pub replay_entries: u64,
     pub redis_failures: u64,
+    /// Total time spent replaying, seconds.
+    pub replay_seconds: f64,
+    /// Replicas a limit is split across for leases (frozen during outages).
+    pub lease_members: usize,
 }
 
 #[async_trait]

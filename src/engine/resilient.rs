@@ -73,6 +73,8 @@ pub struct Stats {
     pub redis_failures: AtomicU64,
     pub replay_runs: AtomicU64,
     pub replayed_entries: AtomicU64,
+    /// Time spent in replay calls, microseconds.
+    pub replay_micros: AtomicU64,
     pub data_loss_detected: AtomicU64,
 }
 
@@ -432,7 +434,11 @@ impl ResilientEngine {
             .collect();
         let budget = Duration::from_millis((self.cfg.deadline_ms * 20).max(1_000));
         let started = std::time::Instant::now();
-        match self.redis.replay(&entries, budget).await {
+        let result = self.redis.replay(&entries, budget).await;
+        self.stats
+            .replay_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
             Ok(written) => {
                 self.ledger.mark_replayed(&plan);
                 self.stats.replay_runs.fetch_add(1, Ordering::Relaxed);
@@ -533,6 +539,8 @@ impl Engine for ResilientEngine {
             replay_runs: self.stats.replay_runs.load(Ordering::Relaxed),
             replay_entries: self.stats.replayed_entries.load(Ordering::Relaxed),
             redis_failures: self.stats.redis_failures.load(Ordering::Relaxed),
+            replay_seconds: self.stats.replay_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            lease_members: self.members.load(Ordering::Relaxed),
         }
     }
 
