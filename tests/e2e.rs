@@ -10,9 +10,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{free_port, get, http, require, test_dir, wait_until, Leasehold, Proc};
-use leasehold::proto::common::rate_limit_descriptor::{Entry, RateLimitOverride};
-use leasehold::proto::common::RateLimitDescriptor;
+use common::{desc, free_port, get, http, request, require, test_dir, wait_until, Leasehold, Proc};
+use leasehold::proto::common::rate_limit_descriptor::RateLimitOverride;
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use leasehold::proto::rls::RateLimitRequest;
@@ -35,27 +34,6 @@ fn write_rules(dir: &Path, text: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&rules).expect("mkdir");
     std::fs::write(rules.join("e2e.yaml"), text).expect("write rules");
     rules
-}
-
-fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: k.to_string(),
-                value: v.to_string(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors,
-        hits_addend: 0,
-    }
 }
 
 fn grpcurl(args: &[&str]) -> (bool, String, String) {

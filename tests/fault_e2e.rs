@@ -11,12 +11,9 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::proxy::{FaultProxy, Mode};
-use common::{get, test_dir, wait_until, Leasehold, RedisServer};
-use leasehold::proto::common::rate_limit_descriptor::Entry;
-use leasehold::proto::common::RateLimitDescriptor;
+use common::{get, single, test_dir, wait_until, Leasehold, RedisServer};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
-use leasehold::proto::rls::RateLimitRequest;
 use tonic::transport::Channel;
 
 const L: u64 = 100;
@@ -119,21 +116,6 @@ struct Sample {
     error: Option<String>,
 }
 
-/// One descriptor `key=value` in `domain`.
-fn one(domain: &str, key: &str, value: &str) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry {
-                key: key.into(),
-                value: value.into(),
-            }],
-            ..Default::default()
-        }],
-        hits_addend: 0,
-    }
-}
-
 /// Paced load: `rps[i]` requests per second to replica i, for `run_for`.
 fn start_load(
     c: &Cluster,
@@ -154,7 +136,7 @@ fn start_load(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             while Instant::now() < stop_at {
                 tick.tick().await;
-                let req = one("f", key, "hot");
+                let req = single("f", &[(key, "hot")]);
                 let t = Instant::now();
                 let res = client.should_rate_limit(req).await;
                 let latency_ms = t.elapsed().as_millis() as u64;
@@ -539,7 +521,7 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
     // Calls keep being answered, on the local path.
     let mut rls = c.clients[0].clone();
     for _ in 0..5 {
-        let req = one("f", "fw", "h");
+        let req = single("f", &[("fw", "h")]);
         rls.should_rate_limit(req)
             .await
             .expect("answered while Redis is down");
@@ -669,7 +651,7 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     let window = now_ms() / 60_000;
     let call = |client: RateLimitServiceClient<Channel>| async move {
         let mut client = client;
-        let req = one("j", "k", "v");
+        let req = single("j", &[("k", "v")]);
         let r = client
             .should_rate_limit(req)
             .await

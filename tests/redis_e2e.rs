@@ -12,12 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{free_port, get, require, test_dir, wait_until, Leasehold, Proc, RedisServer};
-use leasehold::proto::common::rate_limit_descriptor::Entry;
-use leasehold::proto::common::RateLimitDescriptor;
+use common::{free_port, get, require, single, test_dir, wait_until, Leasehold, Proc, RedisServer};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
-use leasehold::proto::rls::{RateLimitRequest, RateLimitResponse};
+use leasehold::proto::rls::RateLimitResponse;
 use tonic::transport::Channel;
 
 fn rules(dir: &Path, text: &str) -> PathBuf {
@@ -25,23 +23,6 @@ fn rules(dir: &Path, text: &str) -> PathBuf {
     std::fs::create_dir_all(&d).expect("mkdir");
     std::fs::write(d.join("rules.yaml"), text).expect("write");
     d
-}
-
-fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: entries
-                .iter()
-                .map(|(k, v)| Entry {
-                    key: k.to_string(),
-                    value: v.to_string(),
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        hits_addend: 0,
-    }
 }
 
 async fn client(server: &Leasehold) -> RateLimitServiceClient<Channel> {
@@ -148,7 +129,7 @@ async fn four_replicas_admit_exactly_the_limit() {
         tasks.spawn(async move {
             let mut seen = Vec::new();
             while issued.fetch_add(1, Ordering::SeqCst) < total_calls {
-                let r = c.should_rate_limit(request("exact", &[("k", "hot")])).await;
+                let r = c.should_rate_limit(single("exact", &[("k", "hot")])).await;
                 seen.push(
                     r.map(|r| (now_ms(), r.into_inner()))
                         .map_err(|s| s.to_string()),
@@ -317,7 +298,7 @@ async fn clock_skew_changes_nothing() {
     for i in 0..15u32 {
         let c = &mut all[(i as usize) % 3];
         let resp = c
-            .should_rate_limit(request("skew", &[("k", "shared")]))
+            .should_rate_limit(single("skew", &[("k", "shared")]))
             .await
             .expect("call")
             .into_inner();
@@ -366,7 +347,7 @@ async fn script_flush_and_redis_restart_mid_run_cause_no_client_error() {
             let (mut ok, mut errors) = (0u64, Vec::new());
             while Instant::now() < stop_at {
                 match c
-                    .should_rate_limit(request("flush", &[("k", &format!("v{i}"))]))
+                    .should_rate_limit(single("flush", &[("k", &format!("v{i}"))]))
                     .await
                 {
                     Ok(_) => ok += 1,
@@ -408,7 +389,7 @@ async fn script_flush_and_redis_restart_mid_run_cause_no_client_error() {
     assert!(settled, "back on the Redis path");
     let mut c = client(&server).await;
     let resp = c
-        .should_rate_limit(request("flush", &[("k", "after")]))
+        .should_rate_limit(single("flush", &[("k", "after")]))
         .await
         .expect("call")
         .into_inner();
@@ -432,7 +413,7 @@ async fn keys_expire_after_their_window_and_margin() {
     let mut c = client(&server).await;
     for k in ["fw", "sw", "sl", "tb"] {
         for _ in 0..3 {
-            c.should_rate_limit(request("exp", &[(k, "x")]))
+            c.should_rate_limit(single("exp", &[(k, "x")]))
                 .await
                 .expect("call");
         }
@@ -508,7 +489,7 @@ async fn odd_values_map_to_distinct_keys_and_round_trip() {
     for v in &values {
         for want in [1u32, 0] {
             let resp = c
-                .should_rate_limit(request("odd", &[("k", v)]))
+                .should_rate_limit(single("odd", &[("k", v)]))
                 .await
                 .expect("call")
                 .into_inner();
@@ -519,7 +500,7 @@ async fn odd_values_map_to_distinct_keys_and_round_trip() {
             );
         }
         let resp = c
-            .should_rate_limit(request("odd", &[("k", v)]))
+            .should_rate_limit(single("odd", &[("k", v)]))
             .await
             .expect("call")
             .into_inner();
@@ -527,7 +508,7 @@ async fn odd_values_map_to_distinct_keys_and_round_trip() {
     }
     // Two entries "a" then "b" are not the one value "a|k=b".
     let resp = c
-        .should_rate_limit(request("odd", &[("k", "a"), ("k", "b")]))
+        .should_rate_limit(single("odd", &[("k", "a"), ("k", "b")]))
         .await
         .expect("call")
         .into_inner();
@@ -548,6 +529,25 @@ async fn odd_values_map_to_distinct_keys_and_round_trip() {
     );
 }
 
+/// Starts a replica against `url` and checks it was ready quickly: a bad
+/// Redis must never hold up startup.
+fn start_promptly(name: &str, rules: &Path, id: &str, url: &str, dir: &Path) -> Leasehold {
+    let started = Instant::now();
+    let server = Leasehold::start(
+        name,
+        rules,
+        &["--replica-id", id],
+        &redis_env(url, "100"),
+        dir,
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{name} took {:?} to start",
+        started.elapsed()
+    );
+    server
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
     let dir = test_dir("startup-redis");
@@ -555,15 +555,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
 
     // Nothing listens: serves, says so, and decides locally on its lease.
     let refused = format!("redis://127.0.0.1:{}", free_port());
-    let started = Instant::now();
-    let server = Leasehold::start(
-        "refused",
-        &r,
-        &["--replica-id", "s1"],
-        &redis_env(&refused, "100"),
-        &dir,
-    );
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let server = start_promptly("refused", &r, "s1", &refused, &dir);
     assert!(
         server.proc.log_text().contains("Redis is not answering"),
         "{}",
@@ -572,7 +564,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
     let mut c = client(&server).await;
     for want in [4u32, 3, 2, 1, 0] {
         let resp = c
-            .should_rate_limit(request("s", &[("k", "v")]))
+            .should_rate_limit(single("s", &[("k", "v")]))
             .await
             .expect("decided locally")
             .into_inner();
@@ -582,7 +574,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
         );
     }
     let resp = c
-        .should_rate_limit(request("s", &[("k", "v")]))
+        .should_rate_limit(single("s", &[("k", "v")]))
         .await
         .expect("decided locally")
         .into_inner();
@@ -592,15 +584,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
     // Wrong password: a log line that says so, not a hang.
     let redis = RedisServer::start_with("redis-auth", &dir, &["--requirepass", "right-password"]);
     let wrong = format!("redis://:wrong-password@127.0.0.1:{}", redis.port);
-    let started = Instant::now();
-    let server = Leasehold::start(
-        "wrongpass",
-        &r,
-        &["--replica-id", "s2"],
-        &redis_env(&wrong, "100"),
-        &dir,
-    );
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let server = start_promptly("wrongpass", &r, "s2", &wrong, &dir);
     let log = server.proc.log_text();
     assert!(
         log.to_lowercase().contains("wrongpass") || log.to_lowercase().contains("password"),
@@ -615,15 +599,7 @@ async fn startup_survives_refused_wrong_password_and_non_redis_peers() {
     // Not Redis: an HTTP server's port.
     let other = Leasehold::start("plain", &r, &[], &[], &dir);
     let not_redis = format!("redis://127.0.0.1:{}", other.http.port());
-    let started = Instant::now();
-    let server = Leasehold::start(
-        "notredis",
-        &r,
-        &["--replica-id", "s3"],
-        &redis_env(&not_redis, "100"),
-        &dir,
-    );
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let server = start_promptly("notredis", &r, "s3", &not_redis, &dir);
     assert!(
         server.proc.log_text().contains("Redis is not answering"),
         "{}",

@@ -11,6 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use leasehold::proto::common::rate_limit_descriptor::Entry;
+use leasehold::proto::common::RateLimitDescriptor;
+use leasehold::proto::rls::RateLimitRequest;
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -359,4 +363,32 @@ impl RedisServer {
         self.proc = Self::spawn(&format!("{name}-again"), &self.dir, self.port, &self.extra);
         self.wait_ready();
     }
+}
+
+/// One descriptor of (key, value) entries.
+pub fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A request with these descriptors and no request-level hits.
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+/// A request with one descriptor.
+pub fn single(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
+    request(domain, vec![desc(entries)])
 }
