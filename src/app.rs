@@ -130,7 +130,9 @@ pub async fn run(
         stop_rx.clone(),
     ));
 
-    let rls = RlsService::new(limiter.clone(), settings.bounds()).into_server();
+    let rls = RlsService::new(limiter.clone(), settings.bounds())
+        .with_replica(&replica_id)
+        .into_server();
     let grpc_stop = stopped(stop_rx.clone());
     let grpc = tonic::transport::Server::builder()
         .add_service(health_service)

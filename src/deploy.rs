@@ -1,6 +1,7 @@
 //! Rendering of the deployment templates under `envoy/`: one template per
 //! config file, filled in for each place it runs (tests, the local runner,
-//! compose), so no second hand-kept copy can drift.
+//! compose), so no second hand-kept copy can drift. [`Layout`] says where
+//! every component listens; [`files`] renders all templates for one layout.
 
 use std::collections::HashMap;
 
@@ -34,16 +35,142 @@ pub fn render(template: &str, vars: &HashMap<&str, String>) -> Result<String, Re
     Ok(out)
 }
 
-/// The `lb_endpoints` entries of the Envoy `leasehold` cluster, one per
-/// (host, port), indented to sit under `lb_endpoints:`.
-pub fn envoy_endpoints(targets: &[(String, u16)]) -> String {
+/// The templates, compiled in so the runner works from any directory.
+pub const ENVOY_TEMPLATE: &str = include_str!("../envoy/envoy.yaml.tmpl");
+pub const NGINX_TEMPLATE: &str = include_str!("../envoy/nginx.conf.tmpl");
+pub const UPSTREAM_TEMPLATE: &str = include_str!("../envoy/upstream.conf.tmpl");
+/// The rules and settings the topology runs with (mounted by compose, written
+/// into its run directory by the local runner).
+pub const TOPOLOGY_RULES: &str = include_str!("../deploy/rules/edge.yaml");
+pub const TOPOLOGY_SETTINGS: &str = include_str!("../deploy/leasehold.toml");
+
+/// A host and port as a config file names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Endpoint {
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Endpoint {
+            host: host.into(),
+            port,
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+/// Where each component of the topology listens and how the others reach it.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The rate-limit domain Envoy asks for.
+    pub domain: String,
+    /// The replicas' gRPC endpoints, as Envoy and nginx reach them.
+    pub replicas: Vec<Endpoint>,
+    /// The dummy upstream as Envoy reaches it.
+    pub upstream: Endpoint,
+    /// Where the dummy upstream binds.
+    pub upstream_listen: Endpoint,
+    pub envoy_listen: Endpoint,
+    pub envoy_admin: Endpoint,
+    /// Where the nginx gRPC balancer binds.
+    pub nginx_listen: Endpoint,
+    /// nginx's pid and temp files.
+    pub nginx_run_dir: String,
+}
+
+/// Ports inside the compose network (and published on the host).
+pub mod compose_ports {
+    pub const REPLICA_GRPC: u16 = 8081;
+    pub const REPLICA_HTTP: u16 = 8080;
+    pub const UPSTREAM: u16 = 8000;
+    pub const ENVOY: u16 = 10000;
+    pub const ENVOY_ADMIN: u16 = 9901;
+    pub const NGINX_GRPC: u16 = 8090;
+    pub const REDIS: u16 = 6379;
+}
+
+/// Replicas in the topology.
+pub const REPLICAS: usize = 4;
+
+/// The compose service name of replica `i` (1-based).
+pub fn replica_service(i: usize) -> String {
+    format!("leasehold-{i}")
+}
+
+impl Layout {
+    /// The layout inside compose: services reach each other by name.
+    pub fn compose() -> Layout {
+        use compose_ports::*;
+        Layout {
+            domain: "edge".into(),
+            replicas: (1..=REPLICAS)
+                .map(|i| Endpoint::new(replica_service(i), REPLICA_GRPC))
+                .collect(),
+            upstream: Endpoint::new("upstream", UPSTREAM),
+            upstream_listen: Endpoint::new("0.0.0.0", UPSTREAM),
+            envoy_listen: Endpoint::new("0.0.0.0", ENVOY),
+            envoy_admin: Endpoint::new("0.0.0.0", ENVOY_ADMIN),
+            nginx_listen: Endpoint::new("0.0.0.0", NGINX_GRPC),
+            nginx_run_dir: "/tmp".into(),
+        }
+    }
+
+    fn vars(&self) -> HashMap<&'static str, String> {
+        HashMap::from([
+            ("ADMIN_ADDRESS", self.envoy_admin.host.clone()),
+            ("ADMIN_PORT", self.envoy_admin.port.to_string()),
+            ("LISTEN_ADDRESS", self.envoy_listen.host.clone()),
+            ("LISTEN_PORT", self.envoy_listen.port.to_string()),
+            ("DOMAIN", self.domain.clone()),
+            ("UPSTREAM_HOST", self.upstream.host.clone()),
+            ("UPSTREAM_PORT", self.upstream.port.to_string()),
+            ("RLS_ENDPOINTS", envoy_endpoints(&self.replicas)),
+            ("NGINX_RUN_DIR", self.nginx_run_dir.clone()),
+            ("NGINX_LISTEN", self.nginx_listen.to_string()),
+            ("NGINX_UPSTREAMS", nginx_upstreams(&self.replicas)),
+            ("UPSTREAM_LISTEN", self.upstream_listen.to_string()),
+        ])
+    }
+}
+
+/// The rendered config files of one layout: (file name, contents).
+pub fn files(layout: &Layout) -> Result<Vec<(&'static str, String)>, RenderError> {
+    let vars = layout.vars();
+    Ok(vec![
+        ("envoy.yaml", render(ENVOY_TEMPLATE, &vars)?),
+        ("nginx.conf", render(NGINX_TEMPLATE, &vars)?),
+        ("upstream.conf", render(UPSTREAM_TEMPLATE, &vars)?),
+    ])
+}
+
+/// The `lb_endpoints` entries of the Envoy `leasehold` cluster, indented to
+/// sit under `lb_endpoints:`.
+pub fn envoy_endpoints(targets: &[Endpoint]) -> String {
     targets
         .iter()
-        .map(|(host, port)| {
+        .map(|e| {
             format!(
-                "              - endpoint:\n                  address:\n                    socket_address: {{ address: {host}, port_value: {port} }}\n"
+                "              - endpoint:\n                  address:\n                    socket_address: {{ address: {}, port_value: {} }}\n",
+                e.host, e.port
             )
         })
+        .collect::<String>()
+        .trim_end()
+        .to_string()
+}
+
+/// The `server` lines of nginx's `leasehold` upstream block.
+pub fn nginx_upstreams(targets: &[Endpoint]) -> String {
+    targets
+        .iter()
+        .map(|e| format!("        server {e} max_fails=1 fail_timeout=5s;\n"))
         .collect::<String>()
         .trim_end()
         .to_string()
@@ -62,5 +189,14 @@ mod tests {
             Err(RenderError::Missing("C".into()))
         );
         assert_eq!(render("ok {{A", &vars), Err(RenderError::Unterminated(3)));
+    }
+
+    #[test]
+    fn every_template_placeholder_has_a_value() {
+        let files = files(&Layout::compose()).expect("compose renders");
+        assert_eq!(files.len(), 3);
+        for (name, text) in files {
+            assert!(!text.contains("{{"), "{name} keeps a placeholder");
+        }
     }
 }

@@ -30,3 +30,4 @@ pub mod reconcile;
 pub mod redis;
 pub mod rules;
 pub mod settings;
+pub mod topology;

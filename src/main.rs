@@ -26,6 +26,9 @@ fn main() -> ExitCode {
             Command::Check(args) => check(args),
             Command::Query(args) => cli::query::run(args).await,
             Command::Bench(args) => cli::bench::run(args).await,
+            Command::Local(args) => cli::local::local(args).await,
+            Command::Demo(args) => cli::local::demo(args).await,
+            Command::Health(args) => cli::local::health(args).await,
         }
     });
     match result {
@@ -84,14 +87,8 @@ async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
+    match cli::Stop::new() {
+        Ok(mut stop) => stop.wait().await,
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }

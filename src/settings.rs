@@ -158,7 +158,8 @@ impl Settings {
         }
         let vars: config::Map<String, String> = env
             .into_iter()
-            .filter(|(k, _)| k.starts_with("LEASEHOLD_"))
+            // LEASEHOLD_SETTINGS names the file itself (read by the CLI), not a setting.
+            .filter(|(k, _)| k.starts_with("LEASEHOLD_") && k != "LEASEHOLD_SETTINGS")
             .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("LEASEHOLD")
@@ -338,6 +339,8 @@ mod tests {
             ),
             ("LEASEHOLD_RULES".to_string(), "x.yaml,y".to_string()),
             ("OTHER".to_string(), "1".to_string()),
+            // Names the file (the CLI reads it); must not be taken for a key.
+            ("LEASEHOLD_SETTINGS".to_string(), file.display().to_string()),
         ];
         let s = Settings::load(Some(&file), env).expect("load");
         assert_eq!(s.grpc_addr, "127.0.0.1:9002".parse().expect("addr"));

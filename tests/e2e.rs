@@ -584,7 +584,10 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
         ("UPSTREAM_PORT", upstream_port.to_string()),
         (
             "RLS_ENDPOINTS",
-            leasehold::deploy::envoy_endpoints(&[("127.0.0.1".into(), server.grpc.port())]),
+            leasehold::deploy::envoy_endpoints(&[leasehold::deploy::Endpoint::new(
+                "127.0.0.1",
+                server.grpc.port(),
+            )]),
         ),
     ]);
     let config = leasehold::deploy::render(&template, &vars).expect("render");

@@ -7,11 +7,16 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# Debian packages: real Redis, nginx and libfaketime for the acceptance tests.
+# Debian packages: real Redis, nginx and libfaketime for the acceptance tests;
+# docker-compose to check compose.yaml statically (no engine needed), promtool
+# (package prometheus) to check the exposition, chromium for the status page.
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v nginx >/dev/null || missing+=(nginx)
 command -v faketime >/dev/null || missing+=(faketime)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing Debian packages: ${missing[*]}"
   as_root apt-get update -qq

@@ -1,7 +1,9 @@
-//! The command line: `serve`, `check`, `query` and `bench`. Parsing and flag
-//! precedence live here; the server itself is [`crate::app`].
+//! The command line: `serve`, `check`, `query`, `bench`, `local`, `demo` and
+//! `health`. Parsing and flag precedence live here; the server itself is
+//! [`crate::app`], the topology runner [`crate::topology`].
 
 pub mod bench;
+pub mod local;
 pub mod query;
 
 use std::net::SocketAddr;
@@ -32,6 +34,33 @@ pub enum Command {
     Query(query::QueryArgs),
     /// Closed-loop load generator against a running server.
     Bench(bench::BenchArgs),
+    /// The four-replica topology as processes on loopback (no Docker needed).
+    Local(local::LocalArgs),
+    /// Demonstrations on the local topology.
+    Demo(local::DemoArgs),
+    /// Exit 0 when the replica at --addr reports gRPC SERVING (container health check).
+    Health(local::HealthArgs),
+}
+
+/// SIGTERM or Ctrl-C, caught from the moment this is created.
+pub struct Stop {
+    term: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    pub fn new() -> std::io::Result<Stop> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Stop {
+            term: signal(SignalKind::terminate())?,
+        })
+    }
+
+    pub async fn wait(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
 }
 
 #[derive(Args, Debug, Default)]

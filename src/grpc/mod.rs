@@ -13,6 +13,7 @@ pub mod validate;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::{Request, Response, Status};
 
 use crate::limiter::{self, Code, Limiter};
@@ -33,14 +34,30 @@ pub const HEALTH_NAMES: [&str; 3] = [
     "envoy.service.ratelimit.v3.RateLimitService",
 ];
 
+/// Response metadata naming the replica that decided, so a caller behind a
+/// balancer (grpcurl -v through nginx) can see which one answered.
+pub const REPLICA_HEADER: &str = "x-leasehold-replica";
+
 pub struct RlsService {
     limiter: Arc<Limiter>,
     bounds: Bounds,
+    replica: Option<MetadataValue<Ascii>>,
 }
 
 impl RlsService {
     pub fn new(limiter: Arc<Limiter>, bounds: Bounds) -> Self {
-        RlsService { limiter, bounds }
+        RlsService {
+            limiter,
+            bounds,
+            replica: None,
+        }
+    }
+
+    /// Adds the replica id to every response (skipped if it is not a valid
+    /// header value).
+    pub fn with_replica(mut self, id: &str) -> Self {
+        self.replica = MetadataValue::try_from(id).ok();
+        self
     }
 
     pub fn into_server(self) -> RateLimitServiceServer<Self> {
@@ -65,7 +82,11 @@ impl RateLimitService for RlsService {
             .decide(&req)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        Ok(Response::new(to_proto(decision)))
+        let mut response = Response::new(to_proto(decision));
+        if let Some(id) = &self.replica {
+            response.metadata_mut().insert(REPLICA_HEADER, id.clone());
+        }
+        Ok(response)
     }
 }
 

@@ -1,0 +1,28 @@
+# leasehold: multi-stage build. The final image holds one static-ish binary on
+# distroless (glibc, CA certificates, no shell) and runs as a non-root user.
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+# The manifest first, so dependency builds are cached across source edits.
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto proto
+COPY src src
+# Compiled in: the deploy templates, topology rules and settings.
+COPY envoy envoy
+COPY deploy deploy
+RUN cargo build --release --locked --bin leasehold \
+ && strip target/release/leasehold
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /src/target/release/leasehold /usr/local/bin/leasehold
+COPY deploy/rules /etc/leasehold/rules
+USER nonroot:nonroot
+# 8081 gRPC (RateLimitService, health, reflection), 8080 HTTP (/metrics, /status, ...).
+EXPOSE 8081 8080
+ENV LEASEHOLD_GRPC_ADDR=0.0.0.0:8081 \
+    LEASEHOLD_HTTP_ADDR=0.0.0.0:8080 \
+    LEASEHOLD_RULES=/etc/leasehold/rules
+# No shell or curl in the image: the binary is its own probe (gRPC health).
+HEALTHCHECK --interval=5s --timeout=2s --retries=3 \
+  CMD ["/usr/local/bin/leasehold", "health", "--addr", "127.0.0.1:8081"]
+ENTRYPOINT ["/usr/local/bin/leasehold"]
+CMD ["serve"]

