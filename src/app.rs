@@ -140,15 +140,39 @@ pub async fn run(
         .add_service(reflection_v1alpha)
         .add_service(rls)
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), grpc_stop);
-    let router = http::router(HttpState {
+    let state = HttpState {
         limiter,
         bounds: settings.bounds(),
         health: health.clone(),
         reload,
         replica_id,
-    });
+        redact: settings.redact_values,
+    };
+    // With an admin address, the pages that show descriptor values move
+    // there; the main listener keeps health, metrics and /json.
+    let (router, admin) = match settings.admin_addr {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding admin_addr {addr}"))?;
+            tracing::info!(admin = %listener.local_addr()?, "admin pages on their own listener");
+            (
+                http::public_router(state.clone()),
+                Some((listener, http::admin_router(state))),
+            )
+        }
+        None => (http::router(state), None),
+    };
     let http_stop = stopped(stop_rx.clone());
     let http = axum::serve(http_listener, router).with_graceful_shutdown(http_stop);
+    let admin_stop = stopped(stop_rx.clone());
+    let admin = admin.map(|(listener, router)| {
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(admin_stop)
+                .await
+        })
+    });
     let mut grpc = tokio::spawn(grpc);
     let mut http = tokio::spawn(async move { http.await });
 
@@ -180,6 +204,9 @@ pub async fn run(
         );
         grpc.abort();
         http.abort();
+    }
+    if let Some(admin) = admin {
+        admin.abort();
     }
     // Background loops see the stop signal; membership leaves the member set.
     if tokio::time::timeout(Duration::from_secs(2), async {

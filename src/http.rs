@@ -1,7 +1,9 @@
 //! The HTTP surface: /healthz and /healthcheck (liveness / the reference's
-//! health path), /readyz, /rules (loaded rules and the last reload error),
-//! /status (JSON) and POST /json (the reference's JSON form of
-//! ShouldRateLimit: 200 when OK, 429 when over, 400 on bad input).
+//! health path), /readyz, /metrics, POST /json (the reference's JSON form of
+//! ShouldRateLimit: 200 when OK, 429 when over, 400 on bad input), and the
+//! admin pages that show descriptor values: /rules, /status (JSON) and
+//! /status.html. The admin pages can live on their own listener
+//! (`admin_addr`) and redact values (`redact_values`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -58,17 +60,37 @@ pub struct HttpState {
     pub health: Arc<Health>,
     pub reload: Arc<ReloadStatus>,
     pub replica_id: Arc<str>,
+    /// Hide descriptor values on the admin pages.
+    pub redact: bool,
 }
 
+/// Every endpoint on one listener.
 pub fn router(state: HttpState) -> Router {
+    public_router(state.clone()).merge(admin_pages(state))
+}
+
+/// What load balancers, Prometheus and callers use.
+pub fn public_router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/healthcheck", get(healthcheck))
         .route("/readyz", get(readyz))
-        .route("/rules", get(rules))
-        .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/json", post(json_decide))
+        .with_state(state)
+}
+
+/// The pages that show descriptor values (and /healthz, so the admin
+/// listener can be probed on its own).
+pub fn admin_router(state: HttpState) -> Router {
+    admin_pages(state).route("/healthz", get(healthz))
+}
+
+fn admin_pages(state: HttpState) -> Router {
+    Router::new()
+        .route("/rules", get(rules))
+        .route("/status", get(status))
+        .route("/status.html", get(status_html))
         .with_state(state)
 }
 
@@ -102,7 +124,7 @@ async fn rules(State(s): State<HttpState>) -> Json<Value> {
             json!({
                 "domain": d.name,
                 "rules": d.rules.iter().map(|r| json!({
-                    "key": r.full_key,
+                    "key": if s.redact { &r.redacted_key } else { &r.full_key },
                     "requests_per_unit": r.spec.requests_per_unit,
                     "unit": r.spec.unit.as_str(),
                     "algorithm": r.spec.algorithm.as_str(),
@@ -148,15 +170,35 @@ async fn metrics(State(s): State<HttpState>) -> Response {
     }
 }
 
-async fn status(State(s): State<HttpState>) -> Json<Value> {
+fn status_value(s: &HttpState) -> Value {
     let rules = s.limiter.rules().load();
-    Json(json!({
+    let mut engine = s.limiter.engine().status();
+    if s.redact {
+        if let Some(leases) = engine.get_mut("leases").and_then(Value::as_array_mut) {
+            for lease in leases {
+                if let Some(key) = lease.get("key").and_then(Value::as_str) {
+                    let redacted = crate::redact::counter_key(key);
+                    lease["key"] = Value::String(redacted);
+                }
+            }
+        }
+    }
+    json!({
         "replica_id": &*s.replica_id,
         "ready": s.health.is_ready(),
-        "engine": s.limiter.engine().status(),
+        "redacted": s.redact,
+        "engine": engine,
         "rules_hash": rules.hash,
         "rules_last_error": *s.reload.last_error.lock(),
-    }))
+    })
+}
+
+async fn status(State(s): State<HttpState>) -> Json<Value> {
+    Json(status_value(&s))
+}
+
+async fn status_html(State(s): State<HttpState>) -> axum::response::Html<String> {
+    axum::response::Html(crate::status_page::render(&status_value(&s)))
 }
 
 // ---- POST /json: protojson in, protojson out --------------------------------

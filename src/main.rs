@@ -60,30 +60,24 @@ fn check(args: cli::CheckArgs) -> anyhow::Result<()> {
     }
 }
 
-fn init_logging(level: &str, format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colours only on a terminal: log files and collectors get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
     let settings = args.settings(std::env::vars())?;
-    init_logging(&settings.log_level, &settings.log_format);
-    let prepared = leasehold::app::prepare(settings)?;
-    let grpc = TcpListener::bind(prepared.settings.grpc_addr).await?;
-    let http = TcpListener::bind(prepared.settings.http_addr).await?;
-    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
-    leasehold::app::run(prepared, grpc, http, shutdown_signal()).await
+    let telemetry = leasehold::telemetry::init(
+        &settings.log_level,
+        &settings.log_format,
+        settings.otlp_endpoint.as_deref(),
+        &settings.otlp_service_name,
+    )?;
+    let result = async {
+        let prepared = leasehold::app::prepare(settings)?;
+        let grpc = TcpListener::bind(prepared.settings.grpc_addr).await?;
+        let http = TcpListener::bind(prepared.settings.http_addr).await?;
+        tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
+        leasehold::app::run(prepared, grpc, http, shutdown_signal()).await
+    }
+    .await;
+    telemetry.shutdown().await;
+    result
 }
 
 async fn shutdown_signal() {

@@ -423,12 +423,21 @@ impl Ledger {
         }
     }
 
-    /// The `n` most recently used keys with their specs, for /status.
-    pub fn recent(&self, n: usize) -> Vec<(CounterKey, LimitSpec)> {
-        let mut all: Vec<(u64, CounterKey, LimitSpec)> = Vec::new();
+    /// The `n` busiest keys with their specs, for /status.
+    pub fn busiest(&self, n: usize) -> Vec<(CounterKey, LimitSpec)> {
+        // Keys used in the newest window first, the busiest (this replica's
+        // Redis-path plus local use in that window) first among them.
+        let mut all: Vec<((u64, i64, u64), CounterKey, LimitSpec)> = Vec::new();
         for shard in &self.shards {
             for (key, e) in shard.lock().iter() {
-                all.push((e.touched_ms, key.clone(), e.spec));
+                let (window, used) = e
+                    .windows
+                    .iter()
+                    .max_by_key(|w| w.window)
+                    .map_or((0, 0), |w| {
+                        (w.window * e.spec.unit.seconds(), w.redis_own + w.local_own)
+                    });
+                all.push(((window, used, e.touched_ms), key.clone(), e.spec));
             }
         }
         all.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));

@@ -84,6 +84,16 @@ pub struct Settings {
     pub log_level: String,
     /// "text" or "json".
     pub log_format: String,
+    /// Serve /status, /status.html and /rules (which show descriptor values)
+    /// only on this address instead of `http_addr`. Unset: on `http_addr`.
+    pub admin_addr: Option<SocketAddr>,
+    /// Replace descriptor values on /status, /status.html and /rules by a
+    /// short hash (values are often API keys or user ids).
+    pub redact_values: bool,
+    /// OTLP/gRPC endpoint for traces, e.g. http://127.0.0.1:4317. Unset: no export.
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of exported spans.
+    pub otlp_service_name: String,
 }
 
 impl Default for Settings {
@@ -126,6 +136,10 @@ impl Default for Settings {
             metrics_detailed_max_series: 1_000,
             log_level: "info".into(),
             log_format: "text".into(),
+            admin_addr: None,
+            redact_values: false,
+            otlp_endpoint: None,
+            otlp_service_name: "leasehold".into(),
         }
     }
 }
@@ -272,6 +286,22 @@ impl Settings {
         }
         if self.grpc_addr == self.http_addr && self.grpc_addr.port() != 0 {
             return Err(invalid("http_addr", "must differ from grpc_addr"));
+        }
+        if let Some(admin) = self.admin_addr {
+            if admin.port() != 0 && (admin == self.http_addr || admin == self.grpc_addr) {
+                return Err(invalid(
+                    "admin_addr",
+                    "must differ from http_addr and grpc_addr",
+                ));
+            }
+        }
+        if let Some(e) = &self.otlp_endpoint {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(invalid(
+                    "otlp_endpoint",
+                    format!("'{e}' is not an http:// or https:// URL"),
+                ));
+            }
         }
         tracing_subscriber::EnvFilter::try_new(&self.log_level)
             .map_err(|e| invalid("log_level", format!("'{}': {e}", self.log_level)))?;

@@ -98,6 +98,15 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
+    /// Serve /status, /status.html and /rules only on this address.
+    #[arg(long, value_name = "ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// Redact descriptor values on /status, /status.html and /rules.
+    #[arg(long)]
+    pub redact_values: bool,
+    /// Export traces over OTLP/gRPC to this endpoint (http://host:4317).
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl ServeArgs {
@@ -130,6 +139,13 @@ impl ServeArgs {
         }
         if let Some(f) = &self.log_format {
             s.log_format = f.clone();
+        }
+        if let Some(a) = self.admin_addr {
+            s.admin_addr = Some(a);
+        }
+        s.redact_values |= self.redact_values;
+        if let Some(e) = &self.otlp_endpoint {
+            s.otlp_endpoint = Some(e.clone());
         }
         Ok(s)
     }

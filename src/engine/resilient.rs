@@ -557,7 +557,7 @@ impl Engine for ResilientEngine {
         let redis_now = self.redis_now(self.clock.now_ms());
         let leases: Vec<_> = self
             .ledger
-            .recent(20)
+            .busiest(20)
             .into_iter()
             .map(|(key, spec)| {
                 let (demand, remaining) = self.ledger.lease_inputs(&key, &spec, redis_now);

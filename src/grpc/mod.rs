@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::limiter::{self, Code, Limiter};
 use crate::proto::envoy::config::core::v3::HeaderValue;
@@ -68,6 +70,36 @@ impl RlsService {
 #[tonic::async_trait]
 impl RateLimitService for RlsService {
     async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        // One span per call, parented to the caller's W3C trace context, with
+        // the domain and the outcome as attributes.
+        let span = tracing::info_span!(
+            "ShouldRateLimit",
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
+            rpc.method = "ShouldRateLimit",
+            domain = %request.get_ref().domain,
+            descriptors = request.get_ref().descriptors.len(),
+            outcome = tracing::field::Empty,
+        );
+        let _ = span.set_parent(crate::telemetry::parent_context(request.metadata()));
+        let result = self.decide(request).instrument(span.clone()).await;
+        let outcome = match &result {
+            Ok(r) if r.get_ref().overall_code == ProtoCode::OverLimit as i32 => "over_limit",
+            Ok(_) => "ok",
+            Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
+            Err(_) => "error",
+        };
+        span.record("outcome", outcome);
+        result
+    }
+}
+
+impl RlsService {
+    async fn decide(
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {

@@ -128,6 +128,13 @@ pub fn fingerprint(paths: &[PathBuf]) -> String {
     hex::encode(hasher.finalize())
 }
 
+/// A rule's name so far, in full and with values redacted (for admin
+/// endpoints that hide descriptor values).
+struct KeyPath {
+    full: String,
+    redacted: String,
+}
+
 fn hash_file(hasher: &mut Sha256, file: &Path, bytes: &[u8]) {
     hasher.update(file.to_string_lossy().as_bytes());
     hasher.update([0]);
@@ -360,7 +367,11 @@ impl FileCtx<'_> {
         });
         if let Some(list) = descriptors {
             let mut rules = Vec::new();
-            self.load_level(list, &domain, &mut entry.root, &mut rules);
+            let root = KeyPath {
+                full: domain.clone(),
+                redacted: domain.clone(),
+            };
+            self.load_level(list, &root, &mut entry.root, &mut rules);
             entry.rules.extend(rules);
         }
     }
@@ -368,7 +379,7 @@ impl FileCtx<'_> {
     fn load_level(
         &mut self,
         list: &Yaml,
-        parent_key: &str,
+        parent: &KeyPath,
         level: &mut Level,
         rules: &mut Vec<Arc<Rule>>,
     ) {
@@ -390,7 +401,7 @@ impl FileCtx<'_> {
                 );
                 continue;
             };
-            self.load_descriptor(item.line, pairs, parent_key, level, rules);
+            self.load_descriptor(item.line, pairs, parent, level, rules);
         }
     }
 
@@ -398,7 +409,7 @@ impl FileCtx<'_> {
         &mut self,
         line: usize,
         pairs: &[(Yaml, Yaml)],
-        parent_key: &str,
+        parent: &KeyPath,
         level: &mut Level,
         rules: &mut Vec<Arc<Rule>>,
     ) {
@@ -443,7 +454,14 @@ impl FileCtx<'_> {
             Some(v) => format!("{key}_{v}"),
             None => key.clone(),
         };
-        let full_key = format!("{parent_key}.{composite}");
+        let path = KeyPath {
+            full: format!("{}.{composite}", parent.full),
+            redacted: match &value {
+                Some(v) => format!("{}.{key}_{}", parent.redacted, crate::redact::value(v)),
+                None => format!("{}.{key}", parent.redacted),
+            },
+        };
+        let full_key = path.full.clone();
         let is_wildcard = value.as_deref().is_some_and(|v| v.contains('*'));
         if share && !is_wildcard {
             self.error(share_line, format!("share_threshold can only be used with a wildcard value (a value containing '*') in '{full_key}'"));
@@ -453,6 +471,7 @@ impl FileCtx<'_> {
         if let Some((rl, at)) = rate_limit.filter(|(n, _)| !n.is_null()) {
             if let Some(rule) = self.load_rate_limit(rl, at, &full_key) {
                 let rule = Arc::new(Rule {
+                    redacted_key: path.redacted.clone(),
                     shadow_mode: shadow,
                     quota_mode: quota,
                     detailed_metric: detailed,
@@ -468,7 +487,7 @@ impl FileCtx<'_> {
             node.shared_pattern = value.as_deref().map(Arc::from);
         }
         if let Some(list) = children {
-            self.load_level(list, &full_key, &mut node.children, rules);
+            self.load_level(list, &path, &mut node.children, rules);
         }
 
         let nodes: &mut KeyNodes = level.keys.entry(key).or_default();
@@ -589,6 +608,7 @@ impl FileCtx<'_> {
         }
         Some(Rule {
             full_key: full_key.to_owned(),
+            redacted_key: full_key.to_owned(),
             spec: LimitSpec {
                 requests_per_unit: rpu,
                 unit: parsed_unit,

@@ -24,6 +24,8 @@ use crate::limit::LimitSpec;
 pub struct Rule {
     /// `domain.key_value.key2` style name, as the reference prints it.
     pub full_key: String,
+    /// `full_key` with every value redacted ([`crate::redact::value`]).
+    pub redacted_key: String,
     pub spec: LimitSpec,
     pub unlimited: bool,
     pub name: Option<String>,
