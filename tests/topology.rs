@@ -180,6 +180,24 @@ fn runner_serves_through_envoy_and_nginx_and_stops_everything() {
     let expected: BTreeSet<String> = (1..=4).map(replica_name).collect();
     assert_eq!(replicas, expected);
 
+    // `leasehold health`, the container health check: 0 for a serving
+    // replica, non-zero for a port nobody serves.
+    let replica_grpc = port_after(&out, "leasehold-1 ", "grpc 127.0.0.1:");
+    let health = |port: u16| {
+        Command::new(leasehold_bin())
+            .args(["health", "--addr", &format!("127.0.0.1:{port}")])
+            .output()
+            .expect("leasehold health")
+    };
+    let ok = health(replica_grpc);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "SERVING");
+    assert!(!health(common::free_port()).status.success());
+
     // SIGTERM: the runner stops everything it started, then exits 0.
     let status = Command::new("kill")
         .args(["-TERM", &runner_pid.to_string()])
@@ -564,6 +582,39 @@ fn compose_and_dockerfile_are_consistent_with_the_runner() {
     assert!(published("nginx")
         .iter()
         .any(|p| p.ends_with(&layout.nginx_listen.port.to_string())));
+
+    // Envoy's RLS timeout is longer than the replicas' Redis budget, so a
+    // slow Redis is absorbed by leasehold's local decision, not by Envoy.
+    let settings: toml::Table = deploy::TOPOLOGY_SETTINGS.parse().expect("settings TOML");
+    let deadline_ms = settings["redis_deadline_ms"]
+        .as_integer()
+        .expect("redis_deadline_ms");
+    let envoy = yaml_rust2::YamlLoader::load_from_str(&rendered["envoy.yaml"]).expect("envoy yaml");
+    let filters = &envoy[0]["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
+    let rl = filters
+        .as_vec()
+        .expect("http_filters")
+        .iter()
+        .find(|f| f["name"].as_str() == Some("envoy.filters.http.ratelimit"))
+        .expect("the ratelimit filter");
+    let timeout = rl["typed_config"]["timeout"].as_str().expect("timeout");
+    let timeout_ms = (timeout
+        .trim_end_matches('s')
+        .parse::<f64>()
+        .expect("seconds")
+        * 1000.0) as i64;
+    assert!(
+        timeout_ms > deadline_ms,
+        "Envoy timeout {timeout} vs Redis budget {deadline_ms} ms"
+    );
+    assert_eq!(
+        rl["typed_config"]["failure_mode_deny"].as_bool(),
+        Some(false)
+    );
+    assert!(rl["typed_config"]["enable_x_ratelimit_headers"]
+        .as_str()
+        .is_some());
 
     // The runner's render differs from compose's only in addresses.
     let local = Ports::from_base(20000)
