@@ -1,19 +1,25 @@
-# leasehold: multi-stage build. The final image holds one static-ish binary on
-# distroless (glibc, CA certificates, no shell) and runs as a non-root user.
+# syntax=docker/dockerfile:1
+# leasehold: multi-stage build. The final image holds one binary on distroless
+# (glibc, CA certificates, no shell) and runs as a non-root user.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# The manifest first, so dependency builds are cached across source edits.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
 # Compiled in: the deploy templates, topology rules and settings.
 COPY envoy envoy
 COPY deploy deploy
-RUN cargo build --release --locked --bin leasehold \
- && strip target/release/leasehold
+# Cache mounts keep the registry and the target dir across builds, so a
+# source edit does not rebuild every dependency; the binary is copied out of
+# the cached target dir in the same step.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin leasehold \
+ && strip target/release/leasehold \
+ && cp target/release/leasehold /leasehold
 
 FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /src/target/release/leasehold /usr/local/bin/leasehold
+COPY --from=build /leasehold /usr/local/bin/leasehold
 COPY deploy/rules /etc/leasehold/rules
 USER nonroot:nonroot
 # 8081 gRPC (RateLimitService, health, reflection), 8080 HTTP (/metrics, /status, ...).

@@ -46,6 +46,7 @@ pub async fn run(
     prepared: Prepared,
     grpc_listener: TcpListener,
     http_listener: TcpListener,
+    admin_listener: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let Prepared { settings, rules } = prepared;
@@ -148,13 +149,10 @@ pub async fn run(
         replica_id,
         redact: settings.redact_values,
     };
-    // With an admin address, the pages that show descriptor values move
+    // With an admin listener, the pages that show descriptor values move
     // there; the main listener keeps health, metrics and /json.
-    let (router, admin) = match settings.admin_addr {
-        Some(addr) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding admin_addr {addr}"))?;
+    let (router, admin) = match admin_listener {
+        Some(listener) => {
             tracing::info!(admin = %listener.local_addr()?, "admin pages on their own listener");
             (
                 http::public_router(state.clone()),
@@ -166,12 +164,19 @@ pub async fn run(
     let http_stop = stopped(stop_rx.clone());
     let http = axum::serve(http_listener, router).with_graceful_shutdown(http_stop);
     let admin_stop = stopped(stop_rx.clone());
-    let admin = admin.map(|(listener, router)| {
-        tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(admin_stop)
-                .await
-        })
+    let mut admin = tokio::spawn(async move {
+        match admin {
+            Some((listener, router)) => {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(admin_stop)
+                    .await
+            }
+            // No admin listener: a task that ends only at shutdown.
+            None => {
+                admin_stop.await;
+                Ok(())
+            }
+        }
     });
     let mut grpc = tokio::spawn(grpc);
     let mut http = tokio::spawn(async move { http.await });
@@ -180,6 +185,7 @@ pub async fn run(
         () = shutdown => {}
         r = &mut grpc => anyhow::bail!("gRPC server stopped unexpectedly: {r:?}"),
         r = &mut http => anyhow::bail!("HTTP server stopped unexpectedly: {r:?}"),
+        r = &mut admin => anyhow::bail!("admin HTTP server stopped unexpectedly: {r:?}"),
     }
 
     tracing::info!("shutting down: reporting NOT_SERVING");
@@ -195,6 +201,7 @@ pub async fn run(
     let drained = tokio::time::timeout(grace, async {
         let _ = (&mut grpc).await;
         let _ = (&mut http).await;
+        let _ = (&mut admin).await;
     })
     .await;
     if drained.is_err() {
@@ -204,8 +211,6 @@ pub async fn run(
         );
         grpc.abort();
         http.abort();
-    }
-    if let Some(admin) = admin {
         admin.abort();
     }
     // Background loops see the stop signal; membership leaves the member set.

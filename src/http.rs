@@ -136,7 +136,7 @@ async fn rules(State(s): State<HttpState>) -> Json<Value> {
                     "quota_mode": r.quota_mode,
                     "detailed_metric": r.detailed_metric,
                     "value_to_metric": r.value_to_metric,
-                    "metadata": r.metadata,
+                    "metadata": if s.redact { Value::Null } else { r.metadata.clone() },
                     "source": format!("{}:{}", r.file.display(), r.line),
                 })).collect::<Vec<_>>(),
             })
@@ -149,7 +149,7 @@ async fn rules(State(s): State<HttpState>) -> Json<Value> {
         "loaded_at_ms": s.reload.loaded_at_ms.load(Ordering::Relaxed),
         "reload_successes": s.reload.successes.load(Ordering::Relaxed),
         "reload_failures": s.reload.failures.load(Ordering::Relaxed),
-        "last_error": *s.reload.last_error.lock(),
+        "last_error": last_error(&s),
         "domains": domains,
     }))
 }
@@ -168,6 +168,17 @@ async fn metrics(State(s): State<HttpState>) -> Response {
             .into_response(),
         None => (StatusCode::NOT_FOUND, "metrics are not enabled").into_response(),
     }
+}
+
+/// The last rules reload error. Loader messages quote rule keys with their
+/// values, so with redaction only the fact of the failure is shown.
+fn last_error(s: &HttpState) -> Option<String> {
+    let e = s.reload.last_error.lock().clone()?;
+    Some(if s.redact {
+        "the last rules reload failed; the message names descriptor values, so it is only in this replica's log (redact_values is on)".into()
+    } else {
+        e
+    })
 }
 
 fn status_value(s: &HttpState) -> Value {
@@ -189,7 +200,7 @@ fn status_value(s: &HttpState) -> Value {
         "redacted": s.redact,
         "engine": engine,
         "rules_hash": rules.hash,
-        "rules_last_error": *s.reload.last_error.lock(),
+        "rules_last_error": last_error(s),
     })
 }
 

@@ -62,6 +62,9 @@ fn check(args: cli::CheckArgs) -> anyhow::Result<()> {
 
 async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
     let settings = args.settings(std::env::vars())?;
+    // Settings errors (an endpoint without a scheme, say) read as settings
+    // errors, before logging or tracing is set up from them.
+    settings.validate()?;
     let telemetry = leasehold::telemetry::init(
         &settings.log_level,
         &settings.log_format,
@@ -72,8 +75,16 @@ async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
         let prepared = leasehold::app::prepare(settings)?;
         let grpc = TcpListener::bind(prepared.settings.grpc_addr).await?;
         let http = TcpListener::bind(prepared.settings.http_addr).await?;
+        let admin = match prepared.settings.admin_addr {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("binding admin_addr {addr}: {e}"))?,
+            ),
+            None => None,
+        };
         tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
-        leasehold::app::run(prepared, grpc, http, shutdown_signal()).await
+        leasehold::app::run(prepared, grpc, http, admin, shutdown_signal()).await
     }
     .await;
     telemetry.shutdown().await;

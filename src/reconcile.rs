@@ -423,24 +423,36 @@ impl Ledger {
         }
     }
 
-    /// The `n` busiest keys with their specs, for /status.
-    pub fn busiest(&self, n: usize) -> Vec<(CounterKey, LimitSpec)> {
-        // Keys used in the newest window first, the busiest (this replica's
-        // Redis-path plus local use in that window) first among them.
-        let mut all: Vec<((u64, i64, u64), CounterKey, LimitSpec)> = Vec::new();
+    /// The `n` busiest keys with their specs, for /status: keys used in
+    /// the window that is current at `now_ms` (per their own unit) first,
+    /// by this replica's use in it (Redis path plus local), then the most
+    /// recently touched.
+    pub fn busiest(&self, n: usize, now_ms: u64) -> Vec<(CounterKey, LimitSpec)> {
+        let mut all: Vec<((bool, i64, u64), CounterKey, LimitSpec)> = Vec::new();
         for shard in &self.shards {
             for (key, e) in shard.lock().iter() {
-                let (window, used) = e
+                let current = window_of(&e.spec, now_ms);
+                let used = e
                     .windows
                     .iter()
-                    .max_by_key(|w| w.window)
-                    .map_or((0, 0), |w| {
-                        (w.window * e.spec.unit.seconds(), w.redis_own + w.local_own)
-                    });
-                all.push(((window, used, e.touched_ms), key.clone(), e.spec));
+                    .find(|w| w.window == current)
+                    .map(|w| w.redis_own + w.local_own);
+                all.push((
+                    (used.is_some(), used.unwrap_or(0), e.touched_ms),
+                    key.clone(),
+                    e.spec,
+                ));
             }
         }
-        all.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        let by_rank =
+            |a: &((bool, i64, u64), CounterKey, LimitSpec),
+             b: &((bool, i64, u64), CounterKey, LimitSpec)| b.0.cmp(&a.0);
+        // Only the top n need ordering; the ledger may hold many keys.
+        if all.len() > n && n > 0 {
+            all.select_nth_unstable_by(n - 1, by_rank);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(by_rank);
         all.into_iter().take(n).map(|(_, k, s)| (k, s)).collect()
     }
 

@@ -1,7 +1,10 @@
 //! Redaction of descriptor values (often API keys or user ids) on the admin
 //! endpoints: a value becomes `~` and the first 8 hex digits of its SHA-256,
 //! so an operator can still tell keys apart and match one they already know
-//! (`echo -n value | sha256sum`) without the page leaking it.
+//! (`echo -n value | sha256sum`) while the page does not show it. It is a
+//! short unsalted hash: it hides values from a glance or a screenshot, not
+//! from someone who can guess and hash candidates; keep the pages private
+//! with `admin_addr` for that.
 
 use sha2::{Digest, Sha256};
 
@@ -27,7 +30,10 @@ pub fn counter_key(key: &str) -> String {
             Some((k, v)) => {
                 out.push_str(k);
                 out.push('=');
-                out.push_str(&value(v));
+                // Hash the value as the caller sent it (keys are escaped), so
+                // the hash matches /rules and `sha256sum` of the raw value.
+                let raw = percent_encoding::percent_decode_str(v).decode_utf8_lossy();
+                out.push_str(&value(&raw));
             }
             None => out.push_str(entry),
         }
@@ -53,5 +59,10 @@ mod tests {
         assert_eq!(value("a"), value("a"));
         assert_ne!(value("a"), value("b"));
         assert_eq!(counter_key("d#60:fw"), "d#60:fw");
+        // An escaped value hashes like the raw one.
+        assert_eq!(
+            counter_key("d|k=a%20b#1:fw"),
+            format!("d|k={}#1:fw", value("a b"))
+        );
     }
 }

@@ -224,6 +224,27 @@ fn admin_pages_move_to_their_own_listener_and_redact_values() {
                 .expect("call");
         }
     });
+    // A broken reload: the loader's message quotes the rule key with its
+    // value, so with redaction it must not reach the pages.
+    std::fs::write(
+        rules.join("ops.yaml"),
+        "domain: adm\ndescriptors:\n  - key: api_key\n    value: vip-secret-key\n    rate_limit: {unlimited: true, unit: second, requests_per_unit: 5}\n",
+    )
+    .expect("break the rules");
+    let failed = wait_until(Duration::from_secs(10), || {
+        get(admin, "/rules")
+            .map(|r| r.body.contains("\"reload_failures\":1"))
+            .unwrap_or(false)
+    });
+    assert!(
+        failed,
+        "the broken reload was not noticed:\n{}",
+        lh.proc.log_text()
+    );
+    assert!(
+        lh.proc.log_text().contains("vip-secret-key"),
+        "the log keeps the details"
+    );
     for path in ["/status", "/status.html", "/rules"] {
         let main = get(lh.http, path).expect("main listener");
         assert_eq!(main.status, 404, "{path} must not be on the main listener");

@@ -31,8 +31,8 @@ pub struct TopologyArgs {
     /// Run directory for configs, logs and Redis files.
     #[arg(long, default_value = "target/local")]
     pub dir: PathBuf,
-    /// First of 13 consecutive ports; free ports when not given.
-    #[arg(long)]
+    /// First of 13 consecutive ports (1024 or above); free ports when not given.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1024..=65000))]
     pub base_port: Option<u16>,
     /// redis-server, envoy and nginx come from PATH unless given here.
     #[arg(long)]
@@ -76,14 +76,14 @@ pub enum DemoCommand {
 pub struct FailoverArgs {
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// Seconds of load before Redis is killed.
-    #[arg(long, default_value_t = 5)]
+    /// Seconds of load before Redis is killed (at least 2).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..=600))]
     pub before: u64,
-    /// Seconds Redis stays down.
-    #[arg(long, default_value_t = 8)]
+    /// Seconds Redis stays down (at least 4: detection and whole outage windows).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(4..=600))]
     pub outage: u64,
-    /// Seconds of load after Redis is back.
-    #[arg(long, default_value_t = 7)]
+    /// Seconds of load after Redis is back (at least 5: replay, settling, windows on Redis).
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(5..=600))]
     pub after: u64,
     /// Write the chart here.
     #[arg(long, default_value = "target/failover.svg")]

@@ -545,19 +545,14 @@ impl Engine for ResilientEngine {
     }
 
     fn status(&self) -> serde_json::Value {
-        let b = self.breaker.lock();
-        let history: Vec<_> = b.history().cloned().collect();
+        // The key scan runs before the breaker lock is taken: the decision
+        // path needs that lock, and this page is watched during outages.
         let (replay_keys, unreplayed_hits, suspect_keys) = self.ledger.pending();
-        let path = if b.allows_redis() && !self.settling.load(Ordering::Acquire) {
-            "redis"
-        } else {
-            "local"
-        };
         let members = self.members.load(Ordering::Relaxed);
         let redis_now = self.redis_now(self.clock.now_ms());
         let leases: Vec<_> = self
             .ledger
-            .busiest(20)
+            .busiest(20, redis_now)
             .into_iter()
             .map(|(key, spec)| {
                 let (demand, remaining) = self.ledger.lease_inputs(&key, &spec, redis_now);
@@ -575,6 +570,13 @@ impl Engine for ResilientEngine {
                 })
             })
             .collect();
+        let b = self.breaker.lock();
+        let history: Vec<_> = b.history().cloned().collect();
+        let path = if b.allows_redis() && !self.settling.load(Ordering::Acquire) {
+            "redis"
+        } else {
+            "local"
+        };
         serde_json::json!({
             "engine": "resilient",
             "path": path,

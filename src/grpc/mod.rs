@@ -81,7 +81,8 @@ impl RateLimitService for RlsService {
             rpc.system = "grpc",
             rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
             rpc.method = "ShouldRateLimit",
-            domain = %request.get_ref().domain,
+            // Bounded: the domain is not validated yet.
+            domain = %request.get_ref().domain.chars().take(128).collect::<String>(),
             descriptors = request.get_ref().descriptors.len(),
             outcome = tracing::field::Empty,
         );

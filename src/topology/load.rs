@@ -167,6 +167,20 @@ impl Sample {
         let mid = (self.sent_ms + self.done_ms) / 2 / unit_ms;
         (mid * unit_ms, sent == done)
     }
+
+    /// Every window (start, unix ms) this call may have been charged in:
+    /// one when [`Sample::window`] is certain, else each window from the
+    /// send to the answer (widened by [`CLOCK_SLACK_MS`]). Judges give each of
+    /// them a tolerance of one for this call.
+    pub fn candidates(&self, unit_ms: u64) -> Vec<u64> {
+        let (w, certain) = self.window(unit_ms);
+        if certain {
+            return vec![w];
+        }
+        let first = self.sent_ms.saturating_sub(CLOCK_SLACK_MS) / unit_ms;
+        let last = (self.done_ms + CLOCK_SLACK_MS) / unit_ms;
+        (first..=last).map(|i| i * unit_ms).collect()
+    }
 }
 
 /// A replica deciding locally places a call in a window by its estimate of

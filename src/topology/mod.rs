@@ -1,9 +1,12 @@
 //! The local runner: the four-replica topology of compose.yaml (redis-server,
 //! four leasehold replicas, the dummy upstream, the nginx gRPC balancer and
 //! Envoy) as processes on loopback, configured from the same templates
-//! ([`crate::deploy`]). It owns exactly the processes it started: it knows
-//! them by pid, stops them in reverse order on every exit path (a failed
-//! step, a signal, a drop), and never looks processes up by name.
+//! ([`crate::deploy`]). It owns exactly the processes it started and knows
+//! them by pid, never by name: [`Topology::stop`] stops them in reverse
+//! dependency order (SIGTERM, then SIGKILL after a grace period), also when a
+//! start step fails; if a `Topology` (or a start in progress) is dropped
+//! instead, say on a signal during startup, every child still running gets
+//! SIGKILL by pid.
 
 pub mod demo;
 pub mod load;
@@ -73,6 +76,11 @@ impl Ports {
     /// Consecutive ports from `base`: Redis, upstream, Envoy, Envoy admin,
     /// nginx, then (gRPC, HTTP) per replica.
     pub fn from_base(base: u16) -> anyhow::Result<Ports> {
+        if base < 1024 {
+            bail!(
+                "base port {base}: use 1024 or above (port 0 would disable Redis's TCP listener)"
+            );
+        }
         base.checked_add(5 + 2 * REPLICAS as u16)
             .ok_or_else(|| anyhow!("base port {base} leaves no room for the topology"))?;
         Ok(Ports {
@@ -399,10 +407,10 @@ impl Topology {
                     .is_ok_and(|r| r.status == 200);
                 ready && self.envoy_healthy_replicas().await == Some(REPLICAS as u64)
             }
-            replica => match replica_index(replica) {
-                Some(i) => self
+            replica => match replica_index(replica).and_then(|i| p.replicas.get(i)) {
+                Some((_, http)) => self
                     .http
-                    .get(&format!("http://127.0.0.1:{}/readyz", p.replicas[i].1), &[])
+                    .get(&format!("http://127.0.0.1:{http}/readyz"), &[])
                     .await
                     .is_ok_and(|r| r.status == 200),
                 None => false,
