@@ -42,11 +42,12 @@ fn binaries() -> Binaries {
 
 async fn start(name: &str, replica_env: Vec<(String, String)>) -> Topology {
     let dir = test_dir(name);
-    Topology::start(Options {
-        bins: binaries(),
-        dir,
-        ports: Ports::free().expect("ports"),
-        replica_env,
+    let bins = binaries();
+    Topology::start_on_free_ports(|ports| Options {
+        bins: bins.clone(),
+        dir: dir.clone(),
+        ports,
+        replica_env: replica_env.clone(),
         report: Arc::new(|l: &str| eprintln!("{l}")),
     })
     .await

@@ -100,24 +100,29 @@ pub struct HealthArgs {
     pub addr: String,
 }
 
-fn options(args: &TopologyArgs, replica_env: Vec<(String, String)>) -> anyhow::Result<Options> {
+/// Starts the topology on `--base-port`, or on free ports (retried when one
+/// is taken before it is bound).
+async fn start(
+    args: &TopologyArgs,
+    replica_env: Vec<(String, String)>,
+) -> anyhow::Result<Topology> {
     let bins = Binaries::find_with(
         std::env::current_exe()?,
         args.redis_bin.clone(),
         args.envoy_bin.clone(),
         args.nginx_bin.clone(),
     )?;
-    let ports = match args.base_port {
-        Some(b) => Ports::from_base(b)?,
-        None => Ports::free()?,
-    };
-    Ok(Options {
-        bins,
+    let options = |ports: Ports| Options {
+        bins: bins.clone(),
         dir: args.dir.clone(),
         ports,
-        replica_env,
+        replica_env: replica_env.clone(),
         report: Arc::new(|line: &str| println!("{line}")),
-    })
+    };
+    match args.base_port {
+        Some(b) => Topology::start(options(Ports::from_base(b)?)).await,
+        None => Topology::start_on_free_ports(options).await,
+    }
 }
 
 pub async fn local(args: LocalArgs) -> anyhow::Result<()> {
@@ -126,9 +131,8 @@ pub async fn local(args: LocalArgs) -> anyhow::Result<()> {
             // Signals are caught from before the first process starts, so a
             // stop during startup still stops what was started.
             let mut stop = super::Stop::new()?;
-            let opts = options(&up.topology, Vec::new())?;
             let mut topo = tokio::select! {
-                t = Topology::start(opts) => t?,
+                t = start(&up.topology, Vec::new()) => t?,
                 _ = stop.wait() => anyhow::bail!("interrupted during startup"),
             };
             println!("\nall healthy; listening on:\n{}", topo.describe());
@@ -163,7 +167,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "600000".to_string(),
     )];
     let mut topo = tokio::select! {
-        t = Topology::start(options(&f.topology, env)?) => t?,
+        t = start(&f.topology, env) => t?,
         _ = stop.wait() => anyhow::bail!("interrupted during startup"),
     };
     let opts = FailoverOptions {

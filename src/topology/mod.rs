@@ -185,6 +185,22 @@ const START_LIMIT: Duration = Duration::from_secs(30);
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 impl Topology {
+    /// [`Topology::start`] on ports that were free a moment ago. Between
+    /// choosing them and binding them, another process (or one of the
+    /// topology's own outgoing connections) can take one; then the start is
+    /// retried on fresh ports, up to three times.
+    pub async fn start_on_free_ports(make: impl Fn(Ports) -> Options) -> anyhow::Result<Topology> {
+        let mut attempt = 1;
+        loop {
+            match Topology::start(make(Ports::free()?)).await {
+                Err(e) if attempt < 3 && format!("{e:#}").contains("in use") => {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Writes the configs, starts every component in dependency order and
     /// waits until each is healthy. On any failure everything started so far
     /// is stopped before the error is returned.
