@@ -82,6 +82,8 @@ pub struct Second {
     pub redis_decisions: u64,
     pub local_decisions: u64,
     pub replicas: Vec<ReplicaView>,
+    /// Replicas Envoy's gRPC health checks counted healthy at the window's end.
+    pub envoy_healthy: Option<u64>,
     /// The phase used for the verdict: before, outage, recovery, after.
     pub phase: String,
     /// Redis's count for this window after recovery.
@@ -130,6 +132,7 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
     let start_ms = unix_ms();
     let load = Load::start(spec, Some(tap));
     let mut views: BTreeMap<u64, Vec<ReplicaView>> = BTreeMap::new();
+    let mut envoy: BTreeMap<u64, Option<u64>> = BTreeMap::new();
     let mut live_counts: BTreeMap<u64, [u64; 4]> = BTreeMap::new();
     let total = opts.before_s + opts.outage_s + opts.after_s;
     let mut kill_ms = 0;
@@ -147,6 +150,10 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
         sleep_until(base + t * UNIT_MS + 50).await;
         let now = snapshot(topo).await;
         views.insert(base + (t - 1) * UNIT_MS, diff(Some(&prev), &now));
+        envoy.insert(
+            base + (t - 1) * UNIT_MS,
+            topo.envoy_healthy_replicas().await,
+        );
         prev = now;
         if t == opts.before_s {
             kill_ms = unix_ms();
@@ -183,10 +190,8 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
                     row(
                         (w.saturating_sub(start_ms / UNIT_MS * UNIT_MS)) / UNIT_MS,
                         redis_up,
-                        c[0],
-                        c[1],
-                        c[2],
-                        c[3],
+                        c,
+                        envoy.get(&w).copied().flatten(),
                         &v
                     )
                 );
@@ -200,6 +205,31 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
     let settle_ms = unix_ms() - settled_at;
     let redis_counts = redis_counts(topo).await?;
     let mut report = judge(samples, views, redis_counts, start_ms, kill_ms, restart_ms);
+    for s in &mut report.seconds {
+        s.envoy_healthy = envoy.get(&s.window_ms).copied().flatten();
+    }
+    // gRPC health stays SERVING through the outage: Envoy never takes a
+    // replica out because Redis is down.
+    let unhealthy: Vec<String> = report
+        .seconds
+        .iter()
+        .filter(|s| s.envoy_healthy.is_some_and(|n| n < REPLICAS as u64))
+        .map(|s| format!("t={}: {:?}", s.t, s.envoy_healthy))
+        .collect();
+    let polled = report
+        .seconds
+        .iter()
+        .filter(|s| s.envoy_healthy.is_some())
+        .count();
+    report.checks.push(Check {
+        name: "Envoy's health checks kept every replica in (SERVING through the outage)".into(),
+        pass: unhealthy.is_empty() && polled > 0,
+        detail: if unhealthy.is_empty() {
+            format!("{polled} seconds with {REPLICAS}/{REPLICAS} healthy")
+        } else {
+            unhealthy.join(", ")
+        },
+    });
     report.checks.push(Check {
         name: "Every replica back on Redis with nothing left to replay".into(),
         pass: settled,
@@ -209,7 +239,7 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
             "not within 30 s".into()
         },
     });
-    report.pass &= settled;
+    report.pass = report.checks.iter().all(|c| c.pass);
     Ok(report)
 }
 
@@ -336,6 +366,7 @@ fn judge(
         redis_decisions: 0,
         local_decisions: 0,
         replicas: Vec::new(),
+        envoy_healthy: None,
         phase: String::new(),
         redis_count: None,
     };
@@ -495,7 +526,7 @@ fn judge(
 fn header() -> String {
     let names: Vec<String> = (1..=REPLICAS).map(|i| format!("r{i}")).collect();
     format!(
-        "{:>4}  {:<5} {:>8} {:>7} {:>9} {:>6}  {:>6} {:>6}  breakers ({})",
+        "{:>4}  {:<5} {:>8} {:>7} {:>9} {:>6}  {:>6} {:>6}  {:>5}  breakers ({})",
         "t",
         "redis",
         "admitted",
@@ -504,30 +535,26 @@ fn header() -> String {
         "errors",
         "redis",
         "local",
+        "envoy",
         names.join(" ")
     )
 }
 
-fn row(
-    t: u64,
-    redis_up: bool,
-    admitted: u64,
-    denied: u64,
-    fail_open: u64,
-    errors: u64,
-    v: &[ReplicaView],
-) -> String {
+/// One timeline row. `counts`: admitted, denied, fail-open, errors;
+/// `envoy`: replicas Envoy's health checks count healthy.
+fn row(t: u64, redis_up: bool, counts: [u64; 4], envoy: Option<u64>, v: &[ReplicaView]) -> String {
     let breakers: Vec<&str> = v.iter().map(|r| r.breaker.as_str()).collect();
     format!(
-        "{:>4}  {:<5} {:>8} {:>7} {:>9} {:>6}  {:>6} {:>6}  {}",
+        "{:>4}  {:<5} {:>8} {:>7} {:>9} {:>6}  {:>6} {:>6}  {:>5}  {}",
         t,
         if redis_up { "up" } else { "DOWN" },
-        admitted,
-        denied,
-        fail_open,
-        errors,
+        counts[0],
+        counts[1],
+        counts[2],
+        counts[3],
         v.iter().map(|r| r.redis_decisions).sum::<u64>(),
         v.iter().map(|r| r.local_decisions).sum::<u64>(),
+        envoy.map_or("-".to_string(), |n| format!("{n}/{REPLICAS}")),
         breakers.join(" ")
     )
 }
@@ -545,10 +572,8 @@ pub fn timeline(report: &Report) -> String {
             row(
                 s.t,
                 s.redis_up,
-                s.admitted,
-                s.denied,
-                s.fail_open,
-                s.errors,
+                [s.admitted, s.denied, s.fail_open, s.errors],
+                s.envoy_healthy,
                 &s.replicas
             ),
             s.phase,
