@@ -34,11 +34,13 @@ pub struct TopologyArgs {
     /// First of 13 consecutive ports (1024 or above); free ports when not given.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1024..=65000))]
     pub base_port: Option<u16>,
-    /// redis-server, envoy and nginx come from PATH unless given here.
+    /// The redis-server to run [default: from PATH].
     #[arg(long)]
     pub redis_bin: Option<PathBuf>,
+    /// The envoy to run [default: from PATH].
     #[arg(long)]
     pub envoy_bin: Option<PathBuf>,
+    /// The nginx to run [default: from PATH].
     #[arg(long)]
     pub nginx_bin: Option<PathBuf>,
 }
