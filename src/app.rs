@@ -131,9 +131,11 @@ pub async fn run(
         stop_rx.clone(),
     ));
 
-    let rls = RlsService::new(limiter.clone(), settings.bounds())
-        .with_replica(&replica_id)
-        .into_server();
+    let mut rls = RlsService::new(limiter.clone(), settings.bounds()).with_replica(&replica_id);
+    if settings.replica_response_header {
+        rls = rls.with_replica_http_header(&replica_id);
+    }
+    let rls = rls.into_server();
     let grpc_stop = stopped(stop_rx.clone());
     let grpc = tonic::transport::Server::builder()
         .add_service(health_service)

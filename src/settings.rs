@@ -94,6 +94,9 @@ pub struct Settings {
     pub otlp_endpoint: Option<String>,
     /// `service.name` of exported spans.
     pub otlp_service_name: String,
+    /// Ask Envoy to add `x-leasehold-replica` to every HTTP response it
+    /// decided (through `response_headers_to_add`).
+    pub replica_response_header: bool,
 }
 
 impl Default for Settings {
@@ -140,6 +143,7 @@ impl Default for Settings {
             redact_values: false,
             otlp_endpoint: None,
             otlp_service_name: "leasehold".into(),
+            replica_response_header: false,
         }
     }
 }

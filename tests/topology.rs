@@ -146,6 +146,21 @@ fn runner_serves_through_envoy_and_nginx_and_stops_everything() {
         assert_eq!(remaining, 9u64.saturating_sub(i as u64), "call {i}: {r:?}");
     }
     assert!(replies[0].body.contains("upstream ok"), "{:?}", replies[0]);
+    // The topology sets replica_response_header: Envoy passes the deciding
+    // replica's id to the client, on 200 and on 429.
+    let deciders: BTreeSet<String> = replies
+        .iter()
+        .map(|r| {
+            r.header("x-leasehold-replica")
+                .unwrap_or_else(|| panic!("no x-leasehold-replica: {r:?}"))
+                .to_string()
+        })
+        .collect();
+    let known: BTreeSet<String> = (1..=4).map(replica_name).collect();
+    assert!(
+        deciders.is_subset(&known) && deciders.len() >= 2,
+        "{deciders:?}"
+    );
 
     // Through nginx with grpcurl (local proto files, so no reflection call
     // takes a turn of the round robin): every replica answers.

@@ -44,6 +44,8 @@ pub struct RlsService {
     limiter: Arc<Limiter>,
     bounds: Bounds,
     replica: Option<MetadataValue<Ascii>>,
+    /// Also ask Envoy to add the replica id to the HTTP response.
+    replica_http_header: Option<String>,
 }
 
 impl RlsService {
@@ -52,6 +54,7 @@ impl RlsService {
             limiter,
             bounds,
             replica: None,
+            replica_http_header: None,
         }
     }
 
@@ -59,6 +62,14 @@ impl RlsService {
     /// header value).
     pub fn with_replica(mut self, id: &str) -> Self {
         self.replica = MetadataValue::try_from(id).ok();
+        self
+    }
+
+    /// Puts `x-leasehold-replica` into `response_headers_to_add` as well, so
+    /// Envoy shows HTTP clients which replica decided (setting
+    /// `replica_response_header`).
+    pub fn with_replica_http_header(mut self, id: &str) -> Self {
+        self.replica_http_header = Some(id.to_string());
         self
     }
 
@@ -115,7 +126,15 @@ impl RlsService {
             .decide(&req)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        let mut response = Response::new(to_proto(decision));
+        let mut proto = to_proto(decision);
+        if let Some(id) = &self.replica_http_header {
+            proto.response_headers_to_add.push(HeaderValue {
+                key: REPLICA_HEADER.to_string(),
+                value: id.clone(),
+                raw_value: Vec::new(),
+            });
+        }
+        let mut response = Response::new(proto);
         if let Some(id) = &self.replica {
             response.metadata_mut().insert(REPLICA_HEADER, id.clone());
         }
