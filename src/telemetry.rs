@@ -12,7 +12,7 @@ use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
-use tracing_subscriber::filter::{EnvFilter, Targets};
+use tracing_subscriber::filter::{filter_fn, EnvFilter};
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::Layer as _;
@@ -78,12 +78,20 @@ pub fn init(
         }
         None => None,
     };
-    // Spans are exported at info and above from leasehold itself, whatever
-    // the log level, so quieter logs do not lose traces.
+    // Exported: leasehold's spans (the per-call span is at debug level, so
+    // logs at the default level never pay for it) and its events at info and
+    // above, whatever the log level, so quieter logs do not lose traces.
     let otel = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("leasehold"))
-            .with_filter(Targets::new().with_target("leasehold", tracing::Level::INFO))
+            .with_filter(filter_fn(|meta| {
+                meta.target().starts_with("leasehold")
+                    && if meta.is_span() {
+                        *meta.level() <= tracing::Level::DEBUG
+                    } else {
+                        *meta.level() <= tracing::Level::INFO
+                    }
+            }))
     });
     tracing_subscriber::registry()
         .with(fmt.with_filter(filter))
