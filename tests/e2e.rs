@@ -10,7 +10,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{desc, free_port, get, http, request, require, test_dir, wait_until, Leasehold, Proc};
+use common::{
+    desc, free_port, get, http, request, require, test_dir, wait_until, write_rules, Leasehold,
+    Proc,
+};
 use leasehold::proto::common::rate_limit_descriptor::RateLimitOverride;
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
@@ -29,13 +32,6 @@ descriptors:
       requests_per_unit: 100
 "#;
 
-fn write_rules(dir: &Path, text: &str) -> std::path::PathBuf {
-    let rules = dir.join("rules");
-    std::fs::create_dir_all(&rules).expect("mkdir");
-    std::fs::write(rules.join("e2e.yaml"), text).expect("write rules");
-    rules
-}
-
 fn grpcurl(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(require("grpcurl"))
         .args(args)
@@ -52,7 +48,7 @@ fn grpcurl(args: &[&str]) -> (bool, String, String) {
 fn grpcurl_lists_and_calls_through_reflection() {
     require("grpcurl");
     let dir = test_dir("grpcurl");
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let addr = server.grpc.to_string();
 
@@ -125,7 +121,7 @@ fn grpcurl_lists_and_calls_through_reflection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_invalid_argument_and_charges_nothing() {
     let dir = test_dir("badinput");
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let mut client = RateLimitServiceClient::connect(server.grpc_uri())
         .await
@@ -239,7 +235,7 @@ async fn bad_input_is_invalid_argument_and_charges_nothing() {
 #[test]
 fn http_endpoints_and_json_api() {
     let dir = test_dir("http");
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
     let server = Leasehold::start("leasehold", &rules, &["--response-headers"], &[], &dir);
     for path in ["/healthz", "/healthcheck", "/readyz"] {
         let r = get(server.http, path).expect("get");
@@ -307,7 +303,7 @@ fn http_endpoints_and_json_api() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_reload_swaps_good_rules_and_keeps_old_on_error() {
     let dir = test_dir("reload");
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let mut client = RateLimitServiceClient::connect(server.grpc_uri())
         .await
@@ -443,7 +439,7 @@ fn check_command_reports_file_line_and_problem() {
 #[test]
 fn bad_rules_or_settings_at_startup_exit_non_zero_without_binding() {
     let dir = test_dir("startup");
-    let rules = write_rules(&dir, "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, unlimited: true}\n");
+    let rules = write_rules(&dir, "e2e.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1, unlimited: true}\n");
     let port = free_port();
     let out = Command::new(common::leasehold_bin())
         .args(["serve", "--rules"])
@@ -463,7 +459,7 @@ fn bad_rules_or_settings_at_startup_exit_non_zero_without_binding() {
         "{stderr}"
     );
 
-    let good = write_rules(&dir, RULES);
+    let good = write_rules(&dir, "e2e.yaml", RULES);
     let out = Command::new(common::leasehold_bin())
         .args(["serve", "--rules"])
         .arg(&good)
@@ -480,7 +476,7 @@ async fn sigterm_reports_not_serving_then_drains_and_exits_zero() {
     use tonic_health::pb::HealthCheckRequest;
 
     let dir = test_dir("sigterm");
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
     let mut server = Leasehold::start(
         "leasehold",
         &rules,
@@ -565,7 +561,7 @@ async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
 async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     let envoy = require("envoy");
     let dir = test_dir("envoy");
-    let rules = write_rules(&dir, "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
+    let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let (upstream_port, upstream) = start_upstream().await;
     let listen_port = free_port();
@@ -674,8 +670,7 @@ fn value(s: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_the_calls_made_and_cap_detailed_series() {
     let dir = test_dir("metrics");
-    let rules = write_rules(
-        &dir,
+    let rules = write_rules(&dir, "e2e.yaml",
         "domain: e2e\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n  - key: shadowed\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: api\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 100000}\n",
     );
     let server = Leasehold::start(

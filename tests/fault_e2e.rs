@@ -221,16 +221,9 @@ fn redis_total(redis: &RedisServer, key: &str) -> Option<i64> {
     if lines.is_empty() {
         return None;
     }
-    Some(
-        lines
-            .chunks(2)
-            .filter(|p| {
-                p.len() == 2
-                    && (p[0].starts_with(|c: char| c.is_ascii_digit()) || p[0].starts_with('o'))
-            })
-            .filter_map(|p| p[1].trim().parse::<i64>().ok())
-            .sum(),
-    )
+    Some(leasehold::redis::keys::window_total(
+        lines.chunks_exact(2).map(|p| (p[0], p[1])),
+    ))
 }
 
 /// For every window of the run: Redis holds exactly the grants made in it.

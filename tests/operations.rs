@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{get, require, single, test_dir, wait_until, Leasehold, RedisServer};
+use common::{get, require, single, test_dir, wait_until, write_rules, Leasehold, RedisServer};
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -24,13 +24,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use parking_lot::Mutex;
-
-fn write_rules(dir: &Path, text: &str) -> PathBuf {
-    let rules = dir.join("rules");
-    std::fs::create_dir_all(&rules).expect("mkdir");
-    std::fs::write(rules.join("ops.yaml"), text).expect("write rules");
-    rules
-}
 
 fn artifacts() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("artifacts");
@@ -79,8 +72,7 @@ async fn should_rate_limit_span_is_exported_under_the_callers_trace() {
             .add_service(TraceServiceServer::new(receiver.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let rules = write_rules(
-        &dir,
+    let rules = write_rules(&dir, "ops.yaml",
         "domain: traced\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
     );
     let endpoint = format!("http://{otlp}");
@@ -165,7 +157,7 @@ async fn should_rate_limit_span_is_exported_under_the_callers_trace() {
 #[test]
 fn json_logs_are_one_object_per_line() {
     let dir = test_dir("jsonlogs");
-    let rules = write_rules(&dir, "domain: j\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
+    let rules = write_rules(&dir, "ops.yaml", "domain: j\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
     let lh = Leasehold::start("leasehold", &rules, &["--log-format", "json"], &[], &dir);
     let text = lh.proc.log_text();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -192,8 +184,7 @@ fn json_logs_are_one_object_per_line() {
 fn admin_pages_move_to_their_own_listener_and_redact_values() {
     let dir = test_dir("admin");
     let redis = RedisServer::start("redis", &dir);
-    let rules = write_rules(
-        &dir,
+    let rules = write_rules(&dir, "ops.yaml",
         "domain: adm\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: minute, requests_per_unit: 5}\n  - key: api_key\n    value: vip-secret-key\n    rate_limit: {unit: minute, requests_per_unit: 500}\n",
     );
     let admin: SocketAddr = format!("127.0.0.1:{}", common::free_port())
@@ -304,8 +295,7 @@ fn outage_status_page_dashboard_metrics_and_promtool() {
     let promtool = require("promtool");
     let dir = test_dir("ops-outage");
     let mut redis = RedisServer::start("redis", &dir);
-    let rules = write_rules(
-        &dir,
+    let rules = write_rules(&dir, "ops.yaml",
         "domain: ops\ndescriptors:\n  - key: user\n    detailed_metric: true\n    rate_limit: {unit: second, requests_per_unit: 5}\n  - key: plan\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
     );
     let url = redis.url();

@@ -400,13 +400,7 @@ fn redis_sum(topo: &Topology) -> u64 {
     for key in keys.lines().filter(|k| !k.is_empty()) {
         let flat = cli(&["HGETALL", key]);
         let lines: Vec<&str> = flat.lines().collect();
-        for pair in lines.chunks(2) {
-            if pair.len() == 2
-                && (pair[0].starts_with(|c: char| c.is_ascii_digit()) || pair[0].starts_with('o'))
-            {
-                total += pair[1].trim().parse::<i64>().unwrap_or(0);
-            }
-        }
+        total += leasehold::redis::keys::window_total(lines.chunks_exact(2).map(|p| (p[0], p[1])));
     }
     total.max(0) as u64
 }

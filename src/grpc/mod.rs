@@ -100,7 +100,9 @@ impl RateLimitService for RlsService {
             descriptors = request.get_ref().descriptors.len(),
             outcome = tracing::field::Empty,
         );
-        let _ = span.set_parent(crate::telemetry::parent_context(request.metadata()));
+        if !span.is_disabled() {
+            let _ = span.set_parent(crate::telemetry::parent_context(request.metadata()));
+        }
         let result = self.decide(request).instrument(span.clone()).await;
         let outcome = match &result {
             Ok(r) if r.get_ref().overall_code == ProtoCode::OverLimit as i32 => "over_limit",

@@ -53,6 +53,17 @@ pub fn counter_base(prefix: &str, key: &CounterKey) -> String {
     out
 }
 
+/// The total of a window hash from its (field, value) pairs: the sum of the
+/// count fields, `<idx>` (Redis path) and `o<idx>` (lease grants); fences
+/// (`f<idx>`) and replay versions (`v<idx>`) are not counts.
+pub fn window_total<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> i64 {
+    fields
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(|c: char| c.is_ascii_digit()) || k.starts_with('o'))
+        .filter_map(|(_, v)| v.trim().parse::<i64>().ok())
+        .sum()
+}
+
 /// Membership keys: (owner of `id`, members, index, next index, index
 /// owners, incarnation).
 pub fn membership(prefix: &str, id: &str) -> [String; 6] {
@@ -78,6 +89,18 @@ pub fn membership(prefix: &str, id: &str) -> [String; 6] {
 mod tests {
     use super::*;
     use crate::limit::{LimitSpec, Unit};
+
+    #[test]
+    fn window_total_sums_only_count_fields() {
+        let fields = [
+            ("0", "3"),
+            ("o1", "4"),
+            ("f0", "99"),
+            ("v1", "7"),
+            ("12", " 5 "),
+        ];
+        assert_eq!(window_total(fields), 12);
+    }
 
     #[test]
     fn domain_becomes_the_hash_tag() {

@@ -17,7 +17,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::load::{unix_ms, Load, LoadSpec, Sample, Seen};
-use super::{replica_name, Topology, REDIS};
+use super::{Topology, REDIS};
 use crate::deploy::REPLICAS;
 
 /// The demo's shape.
@@ -332,11 +332,8 @@ async fn read_counts(port: u16) -> anyhow::Result<BTreeMap<u64, u64>> {
             continue;
         };
         let fields: std::collections::HashMap<String, String> = client.hgetall(&key).await?;
-        let total = fields
-            .iter()
-            .filter(|(k, _)| k.starts_with(|c: char| c.is_ascii_digit()) || k.starts_with('o'))
-            .filter_map(|(_, v)| v.parse::<i64>().ok())
-            .sum::<i64>();
+        let total =
+            crate::redis::keys::window_total(fields.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         out.insert(w * UNIT_MS, total.max(0) as u64);
     }
     let _ = client.quit().await;
@@ -728,9 +725,4 @@ pub fn svg(report: &Report) -> String {
     );
     out.push_str("</svg>\n");
     out
-}
-
-/// The replica names, for reports.
-pub fn replica_names() -> Vec<String> {
-    (1..=REPLICAS).map(replica_name).collect()
 }

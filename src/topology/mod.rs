@@ -465,47 +465,41 @@ impl Topology {
     /// Where each component listens, for people.
     pub fn describe(&self) -> String {
         let p = &self.ports;
-        let mut out = String::new();
-        out.push_str(&format!(
-            "envoy (HTTP, rate limited)   http://127.0.0.1:{}/  (try: curl -i -H 'x-user: alice' ...)\n",
-            p.envoy
-        ));
-        out.push_str(&format!(
-            "envoy admin                  http://127.0.0.1:{}/\n",
-            p.envoy_admin
-        ));
-        out.push_str(&format!(
-            "nginx (gRPC balancer)        127.0.0.1:{}  (grpcurl -plaintext 127.0.0.1:{} list)\n",
-            p.nginx, p.nginx
-        ));
+        let mut rows = vec![
+            (
+                "envoy (HTTP, rate limited)".to_string(),
+                format!(
+                    "http://127.0.0.1:{}/  (try: curl -i -H 'x-user: alice' ...)",
+                    p.envoy
+                ),
+            ),
+            (
+                "envoy admin".into(),
+                format!("http://127.0.0.1:{}/", p.envoy_admin),
+            ),
+            (
+                "nginx (gRPC balancer)".into(),
+                format!(
+                    "127.0.0.1:{0}  (grpcurl -plaintext 127.0.0.1:{0} list)",
+                    p.nginx
+                ),
+            ),
+        ];
         for (i, (g, h)) in p.replicas.iter().enumerate() {
-            out.push_str(&format!(
-                "{:<28} grpc 127.0.0.1:{g}  http http://127.0.0.1:{h}/status\n",
-                replica_name(i + 1)
+            rows.push((
+                replica_name(i + 1),
+                format!("grpc 127.0.0.1:{g}  http http://127.0.0.1:{h}/status"),
             ));
         }
-        out.push_str(&format!(
-            "upstream                     http://127.0.0.1:{}/\n",
-            p.upstream
+        rows.push((
+            "upstream".into(),
+            format!("http://127.0.0.1:{}/", p.upstream),
         ));
-        out.push_str(&format!(
-            "redis                        redis://127.0.0.1:{}\n",
-            p.redis
-        ));
-        out.push_str(&format!(
-            "configs and logs             {}\n",
-            self.dir.display()
-        ));
-        out
-    }
-
-    /// Sends `signal` to a running component (by its pid).
-    pub fn signal(&mut self, name: &str, signal: Signal) -> anyhow::Result<()> {
-        let c = self.component(name)?;
-        let pid = c.pid().ok_or_else(|| anyhow!("{name} is not running"))?;
-        kill(Pid::from_raw(pid as i32), signal)
-            .with_context(|| format!("signalling {name} (pid {pid})"))?;
-        Ok(())
+        rows.push(("redis".into(), format!("redis://127.0.0.1:{}", p.redis)));
+        rows.push(("configs and logs".into(), self.dir.display().to_string()));
+        rows.iter()
+            .map(|(what, where_)| format!("{what:<28} {where_}\n"))
+            .collect()
     }
 
     /// kill -9 a component and reap it.

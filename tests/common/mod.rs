@@ -254,6 +254,15 @@ impl Leasehold {
     }
 }
 
+/// Writes one rules file, `<dir>/rules/<file>`, and returns the rules
+/// directory to pass to `--rules`.
+pub fn write_rules(dir: &Path, file: &str, text: &str) -> PathBuf {
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir rules");
+    std::fs::write(rules.join(file), text).expect("write rules");
+    rules
+}
+
 /// A directory for logs and configs that survives for inspection when the
 /// test fails (under target/), removed on success by the caller if wanted.
 pub fn test_dir(name: &str) -> PathBuf {
