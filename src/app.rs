@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
+use axum::serve::ListenerExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::clock::{Clock, SystemClock};
@@ -142,7 +143,7 @@ pub async fn run(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(rls)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), grpc_stop);
+        .serve_with_incoming_shutdown(accept_nodelay(grpc_listener), grpc_stop);
     let state = HttpState {
         limiter,
         bounds: settings.bounds(),
@@ -164,12 +165,13 @@ pub async fn run(
         None => (http::router(state), None),
     };
     let http_stop = stopped(stop_rx.clone());
-    let http = axum::serve(http_listener, router).with_graceful_shutdown(http_stop);
+    let http =
+        axum::serve(http_listener.tap_io(set_nodelay), router).with_graceful_shutdown(http_stop);
     let admin_stop = stopped(stop_rx.clone());
     let mut admin = tokio::spawn(async move {
         match admin {
             Some((listener, router)) => {
-                axum::serve(listener, router)
+                axum::serve(listener.tap_io(set_nodelay), router)
                     .with_graceful_shutdown(admin_stop)
                     .await
             }
@@ -278,6 +280,22 @@ pub async fn redis_engine(
         SystemClock.now_ms().saturating_mul(1_000),
     );
     Ok((Arc::new(engine), redis))
+}
+
+/// Accepted gRPC connections with TCP_NODELAY. A response leaves as several
+/// small writes (headers, data, trailers); with Nagle's algorithm the last
+/// one waits for the client's delayed ACK, 40 ms on Linux, which is longer
+/// than Envoy's default RLS timeout. Serving a bound listener bypasses
+/// tonic's own default, so it is set here.
+fn accept_nodelay(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// The same for HTTP connections (`/json` answers decisions too).
+fn set_nodelay(stream: &mut tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
+    }
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {

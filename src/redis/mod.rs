@@ -9,7 +9,7 @@ pub mod membership;
 use std::time::Duration;
 
 use fred::prelude::*;
-use fred::types::config::{Options, ReconnectPolicy};
+use fred::types::config::{Options, ReconnectPolicy, TcpConfig};
 
 /// The decision script (see its header for the KEYS/ARGV contract).
 pub const DECIDE_LUA: &str = include_str!("decide.lua");
@@ -118,6 +118,12 @@ impl Redis {
             c.internal_command_timeout = Duration::from_secs(2);
             // Never resend a script on reconnect: a resent call could count twice.
             c.max_command_attempts = 1;
+            // Pipelined calls are small writes: Nagle's algorithm would hold
+            // one behind the delayed ACK of the previous (40 ms).
+            c.tcp = TcpConfig {
+                nodelay: Some(true),
+                ..Default::default()
+            };
         });
         builder.set_policy(ReconnectPolicy::new_exponential(0, 50, 1_000, 2));
         let pool = builder
