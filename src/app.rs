@@ -73,13 +73,13 @@ pub async fn run(
             tasks.spawn(redis_engine.membership().clone().run(stop_rx.clone()));
             let journal = match &settings.journal_dir {
                 Some(dir) => Some(
-                    crate::journal::Journal::open(dir, &replica_id)
+                    crate::engine::resilient::journal::Journal::open(dir, &replica_id)
                         .with_context(|| format!("journal_dir {}", dir.display()))?,
                 ),
                 None => None,
             };
             let resilient = Arc::new(ResilientEngine::new(
-                redis_engine,
+                redis_engine.clone(),
                 clock.clone(),
                 settings.resilient(),
                 journal,

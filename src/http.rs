@@ -163,7 +163,7 @@ async fn metrics(State(s): State<HttpState>) -> Response {
                 axum::http::header::CONTENT_TYPE,
                 "text/plain; version=0.0.4",
             )],
-            m.render(&s.limiter.engine().facts()),
+            m.render(&s.limiter.engine().status()),
         )
             .into_response(),
         None => (StatusCode::NOT_FOUND, "metrics are not enabled").into_response(),
@@ -183,7 +183,7 @@ fn last_error(s: &HttpState) -> Option<String> {
 
 fn status_value(s: &HttpState) -> Value {
     let rules = s.limiter.rules().load();
-    let mut engine = s.limiter.engine().status();
+    let mut engine = serde_json::to_value(s.limiter.engine().status()).unwrap_or_default();
     if s.redact {
         if let Some(leases) = engine.get_mut("leases").and_then(Value::as_array_mut) {
             for lease in leases {

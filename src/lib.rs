@@ -1,36 +1,48 @@
 //! leasehold: an Envoy RLS v3 rate-limit decision server that keeps limiting
 //! correctly when its shared Redis is slow, down or partitioned away.
 //!
-//! Layout (dependencies point down):
+//! The crate map, top to bottom; imports only point down this list:
 //!
-//! - [`grpc`], [`http`]: transports. Translate proto/JSON ↔ domain types.
-//! - [`limiter`]: matches descriptors to rules, builds one batch of charges,
-//!   turns the engine's outcome into statuses and headers.
-//! - [`engine`]: the [`engine::Engine`] trait and its implementations.
-//! - [`redis`]: the only module that knows fred: scripts, keys, membership.
+//! - [`cli`]: the command line, one file per subcommand; `main.rs` only
+//!   parses and maps the outcome to an exit code.
+//! - [`ops`]: operations tooling (deploy templates, the local runner, paced
+//!   load, the failover demo, the benchmark). Nothing below imports it.
+//! - [`app`]: the composition root: settings and rules before any port,
+//!   the engine, the servers, background loops and the shutdown order.
+//! - [`settings`], [`telemetry`]: typed settings; logs and OTLP traces.
+//! - `grpc`, `http`: the transports (RLS, health, reflection; health, `/json`,
+//!   admin pages, `/metrics`). `metrics` and `status_page` render for them.
+//! - [`limiter`]: the decision layer: rules matching → one batch of charges
+//!   → statuses, overall code and headers.
+//! - [`engine`]: the [`engine::Engine`] trait; in-memory, Redis (the adapter
+//!   over [`redis`]) and resilient engines, the last with its breaker,
+//!   leases, ledger, recovery loop and journal in `engine/resilient/`.
+//! - [`redis`]: the only module that knows fred: pool, scripts and their
+//!   contracts, key layout, membership.
 //! - [`rules`]: envoyproxy/ratelimit YAML → validated tree; matching.
-//! - [`limit`]: pure algorithm math with `now` passed in.
-//! - [`app`]: the composition root; [`settings`]: typed settings;
-//!   [`cli`]: the `query` and `bench` client commands; [`clock`]: time.
+//! - [`domain`]: charges, outcomes and the backend contract every layer
+//!   shares; [`key`]: the counter key (encode, decode, hash tag, redaction).
+//! - [`limit`]: pure algorithm math with `now` passed in; [`clock`]: time.
+//! - [`proto`]: the generated Envoy RLS v3 types; [`redact`]: value hashing.
 
 pub mod app;
-pub mod breaker;
 pub mod cli;
 pub mod clock;
-pub mod deploy;
+pub mod domain;
 pub mod engine;
-pub mod grpc;
-pub mod http;
-pub mod journal;
+mod grpc;
+mod http;
+pub mod key;
 pub mod limit;
 pub mod limiter;
-pub mod metrics;
+mod metrics;
+pub mod ops;
 pub mod proto;
-pub mod reconcile;
 pub mod redact;
 pub mod redis;
 pub mod rules;
 pub mod settings;
-pub mod status_page;
+mod status_page;
 pub mod telemetry;
-pub mod topology;
+
+pub use grpc::REPLICA_HEADER;

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use crate::engine::{Batch, Charge, CounterKey, DecisionPath, Engine, EngineError};
+use crate::domain::{Batch, Charge, DecisionPath, EngineError};
+use crate::engine::Engine;
+use crate::key::CounterKey;
 use crate::limit::{LimitSpec, Role, Unit};
 use crate::metrics::Metrics;
 use crate::rules::{Rule, RuleSet};

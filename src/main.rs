@@ -25,7 +25,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve(args).await,
             Command::Check(args) => check(args),
             Command::Query(args) => cli::query::run(args).await,
-            Command::Bench(args) => cli::bench::run(args).await,
+            Command::Bench(args) => leasehold::ops::bench::run(args).await,
             Command::Local(args) => cli::local::local(args).await,
             Command::Demo(args) => cli::local::demo(args).await,
             Command::Health(args) => cli::local::health(args).await,

@@ -12,7 +12,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::engine::EngineFacts;
+use crate::engine::EngineStatus;
 
 /// Label value for domains that are not configured, and for detailed
 /// series past the cap.
@@ -223,30 +223,42 @@ impl Metrics {
         }
     }
 
-    /// The exposition, with engine facts read now.
-    pub fn render(&self, facts: &EngineFacts) -> String {
-        if let Some(state) = facts.breaker_state {
-            for s in ["healthy", "tripped", "probing"] {
+    /// The exposition, with engine facts read now (only the resilient
+    /// engine has a breaker, a ledger and replays; elsewhere they stay 0).
+    pub fn render(&self, status: &EngineStatus) -> String {
+        if let EngineStatus::Resilient(r) = status {
+            for s in ["healthy", "tripped", "probing", "settling"] {
                 self.breaker_state
                     .with_label_values(&[s])
-                    .set(i64::from(s == state));
+                    .set(i64::from(s == r.breaker.state));
+            }
+            mirror(&self.breaker_transitions, r.breaker.transitions);
+            self.live_members.set(r.live_members as i64);
+            self.tracked_keys.set(r.ledger.tracked_keys as i64);
+            self.keys_to_replay.set(r.ledger.keys_to_replay as i64);
+            self.unreplayed_hits.set(r.ledger.unreplayed_hits);
+            self.suspect_keys.set(r.ledger.suspect_keys as i64);
+            mirror(&self.dropped_usage, r.ledger.dropped_usage);
+            mirror(&self.replay_runs, r.replay.runs);
+            mirror(&self.replay_entries, r.replay.entries);
+            mirror(&self.redis_failures, r.decisions.redis_failures);
+            let seen = self.replay_seconds.get();
+            if r.replay.seconds > seen {
+                self.replay_seconds.inc_by(r.replay.seconds - seen);
+            }
+            self.lease_members.set(r.members_for_leases as i64);
+        } else {
+            for gauge in [
+                &self.live_members,
+                &self.tracked_keys,
+                &self.keys_to_replay,
+                &self.unreplayed_hits,
+                &self.suspect_keys,
+                &self.lease_members,
+            ] {
+                gauge.set(0);
             }
         }
-        mirror(&self.breaker_transitions, facts.breaker_transitions);
-        self.live_members.set(facts.live_members as i64);
-        self.tracked_keys.set(facts.tracked_keys as i64);
-        self.keys_to_replay.set(facts.keys_to_replay as i64);
-        self.unreplayed_hits.set(facts.unreplayed_hits);
-        self.suspect_keys.set(facts.suspect_keys as i64);
-        mirror(&self.dropped_usage, facts.dropped_usage);
-        mirror(&self.replay_runs, facts.replay_runs);
-        mirror(&self.replay_entries, facts.replay_entries);
-        mirror(&self.redis_failures, facts.redis_failures);
-        let seen = self.replay_seconds.get();
-        if facts.replay_seconds > seen {
-            self.replay_seconds.inc_by(facts.replay_seconds - seen);
-        }
-        self.lease_members.set(facts.lease_members as i64);
         let mut out = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)

@@ -14,32 +14,10 @@ pub fn value(v: &str) -> String {
     format!("~{}", &hex::encode(digest)[..8])
 }
 
-/// A counter key (`domain|k=v|k=v#unit:algorithm`, as
-/// [`crate::engine::CounterKey`] prints it) with every value redacted. The
-/// separators are escaped inside keys and values, so splitting is exact.
+/// A counter key (as [`crate::key::CounterKey`] prints it) with every
+/// value redacted; the key layout itself is parsed only in `crate::key`.
 pub fn counter_key(key: &str) -> String {
-    let (body, suffix) = match key.find('#') {
-        Some(i) => key.split_at(i),
-        None => (key, ""),
-    };
-    let mut parts = body.split('|');
-    let mut out = parts.next().unwrap_or_default().to_string();
-    for entry in parts {
-        out.push('|');
-        match entry.split_once('=') {
-            Some((k, v)) => {
-                out.push_str(k);
-                out.push('=');
-                // Hash the value as the caller sent it (keys are escaped), so
-                // the hash matches /rules and `sha256sum` of the raw value.
-                let raw = percent_encoding::percent_decode_str(v).decode_utf8_lossy();
-                out.push_str(&value(&raw));
-            }
-            None => out.push_str(entry),
-        }
-    }
-    out.push_str(suffix);
-    out
+    crate::key::CounterKey::from_raw(key).redacted(value)
 }
 
 #[cfg(test)]

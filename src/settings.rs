@@ -338,10 +338,15 @@ impl Settings {
             lease_min_share: self.lease_min_share,
             replicas_hint: self.replicas_hint,
             ledger_max_keys: self.ledger_max_keys,
-            breaker: crate::breaker::BreakerConfig {
+            breaker: crate::engine::resilient::breaker::BreakerConfig {
                 failures_to_trip: self.breaker_failures,
                 probe_interval_ms: self.breaker_probe_interval_ms,
                 probe_jitter_ms: self.breaker_probe_jitter_ms,
+                settle_ms: crate::engine::resilient::ResilientConfig::settle_ms(
+                    self.breaker_probe_interval_ms,
+                    self.breaker_probe_jitter_ms,
+                    self.redis_deadline_ms,
+                ),
             },
         }
     }

@@ -133,7 +133,7 @@ pub fn render(status: &Value) -> String {
     if let Some(state) = breaker["state"].as_str() {
         let class = match state {
             "healthy" => "ok",
-            "probing" => "warn",
+            "probing" | "settling" => "warn",
             _ => "bad",
         };
         card(&mut out, "breaker", state, class);
@@ -188,7 +188,7 @@ pub fn render(status: &Value) -> String {
             r#"<h2>Breaker</h2><p><span class="badge {}" id="breaker-state">{}</span> entered {} · {} consecutive failures · {} transitions</p>"#,
             match breaker["state"].as_str() {
                 Some("healthy") => "ok",
-                Some("probing") => "warn",
+                Some("probing" | "settling") => "warn",
                 _ => "bad",
             },
             esc(&text(&breaker["state"])),

@@ -580,13 +580,13 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
         ("UPSTREAM_PORT", upstream_port.to_string()),
         (
             "RLS_ENDPOINTS",
-            leasehold::deploy::envoy_endpoints(&[leasehold::deploy::Endpoint::new(
+            leasehold::ops::deploy::envoy_endpoints(&[leasehold::ops::deploy::Endpoint::new(
                 "127.0.0.1",
                 server.grpc.port(),
             )]),
         ),
     ]);
-    let config = leasehold::deploy::render(&template, &vars).expect("render");
+    let config = leasehold::ops::deploy::render(&template, &vars).expect("render");
     let config_path = dir.join("envoy.yaml");
     std::fs::write(&config_path, config).expect("write envoy config");
     let mut cmd = Command::new(envoy);

@@ -1,4 +1,4 @@
-//! Fault tolerance end to end (design.md §5): four leasehold replicas on a
+//! Fault tolerance end to end (docs/guarantees.md G1-G5): four leasehold replicas on a
 //! real redis-server, one key limited to L per second, load spread by the
 //! test, faults injected with kill -9, SIGSTOP/SIGCONT and a fault proxy per
 //! replica. Every OK is attributed to the window the server reported, not to

@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{http, leasehold_bin, require, test_dir, wait_until};
-use leasehold::deploy::{self, Layout};
-use leasehold::topology::demo::{self, FailoverOptions, LIMIT, UNIT_MS};
-use leasehold::topology::load::{unix_ms, Load, LoadSpec, Seen, Via};
-use leasehold::topology::{replica_name, Binaries, Options, Ports, Topology};
+use leasehold::ops::demo::{self, FailoverOptions, LIMIT, UNIT_MS};
+use leasehold::ops::deploy::{self, Layout};
+use leasehold::ops::load::{unix_ms, Load, LoadSpec, Seen, Via};
+use leasehold::ops::runner::{replica_name, Binaries, Options, Ports, Topology};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

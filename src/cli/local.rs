@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 
-use crate::deploy::{self, Layout};
-use crate::topology::demo::{self, FailoverOptions};
-use crate::topology::{Binaries, Options, Ports, Topology};
+use crate::ops::demo::{self, FailoverOptions};
+use crate::ops::deploy::{self, Layout};
+use crate::ops::runner::{Binaries, Options, Ports, Topology};
 
 #[derive(Args, Debug)]
 pub struct LocalArgs {
@@ -70,7 +70,7 @@ pub struct DemoArgs {
 #[derive(Subcommand, Debug)]
 pub enum DemoCommand {
     /// Load through Envoy and nginx, kill Redis, start it again, print the
-    /// timeline and a verdict against design.md §5.
+    /// timeline and a verdict against docs/guarantees.md (G5).
     Failover(FailoverArgs),
 }
 
@@ -203,7 +203,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
 pub async fn health(args: HealthArgs) -> anyhow::Result<()> {
     let uri = super::query::endpoint_uri(&args.addr);
-    if crate::topology::load::grpc_serving(&uri).await {
+    if crate::ops::http_client::grpc_serving(&uri).await {
         println!("SERVING");
         Ok(())
     } else {

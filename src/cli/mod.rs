@@ -1,8 +1,7 @@
 //! The command line: `serve`, `check`, `query`, `bench`, `local`, `demo` and
 //! `health`. Parsing and flag precedence live here; the server itself is
-//! [`crate::app`], the topology runner [`crate::topology`].
+//! [`crate::app`], the ops tooling [`crate::ops`].
 
-pub mod bench;
 pub mod local;
 pub mod query;
 
@@ -33,7 +32,7 @@ pub enum Command {
     /// Make one ShouldRateLimit call and print the decision.
     Query(query::QueryArgs),
     /// Closed-loop load generator against a running server.
-    Bench(bench::BenchArgs),
+    Bench(crate::ops::bench::BenchArgs),
     /// The four-replica topology as processes on loopback (no Docker needed).
     Local(local::LocalArgs),
     /// Demonstrations on the local topology.

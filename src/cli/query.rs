@@ -49,13 +49,7 @@ pub fn parse_descriptor(text: &str) -> Result<RateLimitDescriptor, String> {
     })
 }
 
-pub fn endpoint_uri(addr: &str) -> String {
-    if addr.starts_with("http://") || addr.starts_with("https://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
-    }
-}
+pub use crate::ops::http_client::endpoint_uri;
 
 pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
     let descriptors = args

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::{Mutex, MutexGuard};
 
-use super::{Batch, BatchOutcome, CounterKey, DecisionPath, Engine, EngineError, ItemOutcome};
+use super::{Engine, EngineStatus};
 use crate::clock::Clock;
+use crate::domain::{Batch, BatchOutcome, DecisionPath, EngineError, ItemOutcome};
+use crate::key::CounterKey;
 use crate::limit::{evaluate, request_denied, State};
 
 const SHARDS: usize = 64;
@@ -173,7 +175,9 @@ impl Engine for MemoryEngine {
         "memory"
     }
 
-    fn status(&self) -> serde_json::Value {
-        serde_json::json!({ "engine": "memory", "tracked_keys": self.len() })
+    fn status(&self) -> EngineStatus {
+        EngineStatus::Memory {
+            tracked_keys: self.len(),
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! # Counting twice is impossible by construction
 //!
 //! Every counter window is a hash with one field per replica (its net
-//! count); the total is their sum (layout in [`crate::redis::keys`]). A
+//! count); the total is their sum (layout in `crate::redis::keys`). A
 //! replica writes only its own field, so the replay of what it granted while
 //! Redis was away is "set my field to my count": repeatable, and it also
 //! heals a Redis that came back empty.
@@ -42,19 +42,20 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
+use serde::Serialize;
 
-use super::{Batch, BatchOutcome, CounterKey, DecisionPath, Engine, EngineError, ItemOutcome};
-use crate::limit::{Algorithm, Role};
-use crate::redis::membership::Membership;
-use crate::redis::{keys, CallError, Redis};
+use super::{Engine, EngineStatus};
+use crate::domain::backend::{Backend, CallError, Members, RawReply, ReplayEntry};
+use crate::domain::{Batch, BatchOutcome, EngineError};
+use crate::redis::membership::{MemberState, Membership, MembershipError};
+use crate::redis::scripts::{self, DecideCall, DecideReply, REPLAY_BATCH};
+use crate::redis::Redis;
 
-/// Hits above this are clamped before they reach Lua (whose numbers are
-/// doubles and whose integer formatting stops at 10^14): such a charge is
-/// over any u32 limit anyway.
-pub const MAX_HITS: u64 = 1_000_000_000_000;
-
+/// The Redis engine: the adapter from the [`Backend`] contract (and the
+/// plain [`Engine`] one) to `crate::redis`.
 pub struct RedisEngine {
     redis: Arc<Redis>,
     membership: Arc<Membership>,
@@ -66,88 +67,19 @@ pub struct RedisEngine {
     boot: String,
 }
 
-fn algorithm_code(a: Algorithm) -> u8 {
-    match a {
-        Algorithm::FixedWindow => 1,
-        Algorithm::SlidingWindow => 2,
-        Algorithm::SlidingLog => 3,
-        Algorithm::TokenBucket => 4,
-    }
+/// The Redis engine's facts for /status.
+#[derive(Clone, Debug, Serialize)]
+pub struct RedisStatus {
+    /// The URL with any password redacted.
+    pub redis: String,
+    pub replica_id: String,
+    pub membership: MemberState,
+    pub epoch: u64,
 }
 
-fn role_code(r: Role) -> u8 {
-    match r {
-        Role::Enforce => 0,
-        Role::Shadow => 1,
-        Role::Quota => 2,
-    }
+fn not_registered() -> CallError {
+    CallError::NotConnected("this replica is not registered with Redis yet".into())
 }
-
-/// One charge's part of a script reply.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RawItem {
-    pub over: bool,
-    pub remaining: u64,
-    pub reset_ms: u64,
-    /// This replica's count for the key's window(s) after the call; -1 when
-    /// the algorithm keeps none (sliding log).
-    pub own: i64,
-    pub total: i64,
-    /// What the call changed this replica's field by (0 when denied).
-    pub delta: i64,
-}
-
-/// A decoded script reply.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RawReply {
-    /// Redis time of the call.
-    pub now_ms: u64,
-    pub denied: bool,
-    /// An own field was below what this replica knew: Redis lost data.
-    pub lost: bool,
-    pub items: Vec<RawItem>,
-}
-
-/// Which of its fields replay sets (see `replay.lua`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReplayKind {
-    /// `o<idx>`: cumulative grants made locally in the window.
-    Local,
-    /// `<idx>` and its fence: the confirmed Redis-path count.
-    Repair,
-}
-
-impl RawReply {
-    /// The decision part of the reply.
-    pub fn outcome(&self) -> BatchOutcome {
-        BatchOutcome {
-            items: self
-                .items
-                .iter()
-                .map(|i| ItemOutcome {
-                    over: i.over,
-                    remaining: i.remaining,
-                    reset_ms: i.reset_ms,
-                })
-                .collect(),
-            denied: self.denied,
-            path: DecisionPath::Redis,
-        }
-    }
-}
-
-/// One (counter, window) field that replay sets.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReplayEntry {
-    pub key: CounterKey,
-    pub spec: crate::limit::LimitSpec,
-    pub window: u64,
-    pub kind: ReplayKind,
-    pub value: i64,
-}
-
-/// Replay entries per script call (one call holds one hash slot's keys).
-const REPLAY_BATCH: usize = 200;
 
 impl RedisEngine {
     /// `epoch_start` must exceed any epoch a previous incarnation of this
@@ -190,53 +122,37 @@ impl RedisEngine {
         self.epoch.fetch_add(1, Ordering::SeqCst) + 1
     }
 
-    fn args(
-        &self,
-        batch: &Batch,
-        index: u64,
-        expected: &[(i64, u64)],
-    ) -> (Vec<String>, Vec<String>) {
-        let keys = batch
-            .charges
-            .iter()
-            .map(|c| keys::counter_base(&self.prefix, &c.key))
-            .collect();
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let mut args = Vec::with_capacity(5 + 8 * batch.charges.len());
-        args.push(index.to_string());
-        args.push(self.epoch().to_string());
-        args.push(if batch.never_deny { "1" } else { "0" }.to_string());
-        args.push(self.margin_ms.to_string());
-        args.push(format!("{}.{call}", self.boot));
-        for (i, c) in batch.charges.iter().enumerate() {
-            args.push(algorithm_code(c.spec.algorithm).to_string());
-            args.push(c.spec.requests_per_unit.to_string());
-            args.push(c.spec.unit.millis().to_string());
-            args.push(c.spec.burst.to_string());
-            args.push(c.hits.min(MAX_HITS).to_string());
-            args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
-            let (count, window) = expected.get(i).copied().unwrap_or((-1, 0));
-            args.push(count.to_string());
-            args.push(window.to_string());
-        }
-        (keys, args)
-    }
-
     async fn call(
         &self,
         batch: &Batch,
         index: u64,
         expected: &[(i64, u64)],
-    ) -> Result<Vec<i64>, CallError> {
-        let (keys, args) = self.args(batch, index, expected);
-        let result = self.redis.decide(keys, args).await;
-        if let Err(e) = &result {
-            if e.maybe_applied() {
-                // This call may still run: later rewrites must fence it out.
-                self.epoch.fetch_add(1, Ordering::SeqCst);
+    ) -> Result<DecideReply, CallError> {
+        let call_id = format!(
+            "{}.{}",
+            self.boot,
+            self.calls.fetch_add(1, Ordering::Relaxed)
+        );
+        let call = DecideCall {
+            index,
+            epoch: self.epoch(),
+            margin_ms: self.margin_ms,
+            call_id: &call_id,
+            expected,
+        };
+        let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
+        match self.redis.decide(keys, args).await {
+            Ok(reply) => {
+                scripts::decode_decide(&reply, batch.charges.len()).map_err(CallError::Reply)
+            }
+            Err(e) => {
+                if e.maybe_applied() {
+                    // This call may still run: later rewrites must fence it out.
+                    self.bump_epoch();
+                }
+                Err(e)
             }
         }
-        result
     }
 
     /// One decision in Redis. `expected[i]` is this replica's confirmed
@@ -246,47 +162,17 @@ impl RedisEngine {
         batch: &Batch,
         expected: &[(i64, u64)],
     ) -> Result<RawReply, CallError> {
-        let Some(index) = self.membership.index() else {
-            return Err(CallError::NotConnected(
-                "this replica is not registered with Redis yet".into(),
-            ));
-        };
-        let mut reply = self.call(batch, index, expected).await?;
-        if reply.first() == Some(&-1) {
+        let index = self.membership.index().ok_or_else(not_registered)?;
+        match self.call(batch, index, expected).await? {
+            DecideReply::Decided(reply) => Ok(reply),
             // Fenced: a rewrite happened after this call's epoch was read.
-            reply = self.call(batch, index, expected).await?;
-            if reply.first() == Some(&-1) {
-                return Err(CallError::Reply(
+            DecideReply::Fenced => match self.call(batch, index, expected).await? {
+                DecideReply::Decided(reply) => Ok(reply),
+                DecideReply::Fenced => Err(CallError::Reply(
                     "call fenced twice by a concurrent rewrite".into(),
-                ));
-            }
+                )),
+            },
         }
-        let n = batch.charges.len();
-        if reply.len() != 4 + 6 * n {
-            return Err(CallError::Reply(format!(
-                "script reply has {} items, expected {}",
-                reply.len(),
-                4 + 6 * n
-            )));
-        }
-        let mut items = Vec::with_capacity(n);
-        for i in 0..n {
-            let r = &reply[4 + 6 * i..10 + 6 * i];
-            items.push(RawItem {
-                over: r[0] == 1,
-                remaining: r[1].max(0) as u64,
-                reset_ms: r[2].max(0) as u64,
-                own: r[3],
-                total: r[4],
-                delta: r[5],
-            });
-        }
-        Ok(RawReply {
-            now_ms: reply[1].max(0) as u64,
-            denied: reply[2] == 1,
-            lost: reply[3] == 1,
-            items,
-        })
     }
 
     /// Sets this replica's fields for each (counter, window); repairs are
@@ -295,81 +181,82 @@ impl RedisEngine {
     pub async fn replay(
         &self,
         entries: &[ReplayEntry],
-        deadline: std::time::Duration,
+        deadline: Duration,
     ) -> Result<u64, CallError> {
-        let Some(index) = self.membership.index() else {
-            return Err(CallError::NotConnected(
-                "this replica is not registered with Redis yet".into(),
-            ));
-        };
+        let index = self.membership.index().ok_or_else(not_registered)?;
         let epoch = self.bump_epoch();
-        // Group by hash tag (the domain) so each call stays in one slot.
+        // Group by hash tag so each call stays in one slot.
         let mut groups: HashMap<&str, Vec<&ReplayEntry>> = HashMap::new();
         for e in entries {
-            let s = e.key.as_str();
-            let tag = &s[..s.find(['|', '#']).unwrap_or(s.len())];
-            groups.entry(tag).or_default().push(e);
+            groups.entry(e.key.split_tag().0).or_default().push(e);
         }
         let mut applied = 0;
         for group in groups.values() {
             for chunk in group.chunks(REPLAY_BATCH) {
-                let keys = chunk
-                    .iter()
-                    .map(|e| keys::counter_base(&self.prefix, &e.key))
-                    .collect();
-                let mut args = vec![
-                    index.to_string(),
-                    epoch.to_string(),
-                    self.margin_ms.to_string(),
-                ];
-                for e in chunk {
-                    args.push(
-                        match e.kind {
-                            ReplayKind::Local => "1",
-                            ReplayKind::Repair => "2",
-                        }
-                        .to_string(),
-                    );
-                    args.push(algorithm_code(e.spec.algorithm).to_string());
-                    args.push(e.spec.unit.millis().to_string());
-                    args.push(e.window.to_string());
-                    args.push(e.value.to_string());
-                    args.push(e.spec.requests_per_unit.to_string());
-                    args.push(e.spec.burst.to_string());
-                }
+                let (keys, args) =
+                    scripts::replay_args(&self.prefix, index, epoch, self.margin_ms, chunk);
                 let reply = self.redis.replay(keys, args, deadline).await?;
                 applied += reply.first().copied().unwrap_or(0).max(0) as u64;
             }
         }
         Ok(applied)
     }
+
+    pub fn redis_status(&self) -> RedisStatus {
+        RedisStatus {
+            redis: self.redis.display_url.clone(),
+            replica_id: self.membership.id().to_owned(),
+            membership: self.membership.state(),
+            epoch: self.epoch(),
+        }
+    }
 }
 
-fn unavailable(e: CallError) -> EngineError {
-    EngineError::Unavailable(e.to_string())
+#[async_trait]
+impl Backend for RedisEngine {
+    async fn decide(&self, batch: &Batch, expected: &[(i64, u64)]) -> Result<RawReply, CallError> {
+        self.decide_raw(batch, expected).await
+    }
+
+    async fn replay(&self, entries: &[ReplayEntry], budget: Duration) -> Result<u64, CallError> {
+        RedisEngine::replay(self, entries, budget).await
+    }
+
+    async fn probe(&self) -> Result<bool, CallError> {
+        match self.membership.beat().await {
+            Ok(()) => Ok(self.membership.index().is_some()),
+            Err(MembershipError::Call(e)) => Err(e),
+            Err(e @ MembershipError::Conflict(_)) => Err(CallError::Redis(e.to_string())),
+        }
+    }
+
+    fn members(&self) -> Members {
+        let state = self.membership.state();
+        Members {
+            live: state.live.len(),
+            reregistrations: state.reregistrations,
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        serde_json::to_value(EngineStatus::Redis(Box::new(self.redis_status()))).unwrap_or_default()
+    }
 }
 
 #[async_trait]
 impl Engine for RedisEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
-        Ok(self
-            .decide_raw(batch, &[])
+        self.decide_raw(batch, &[])
             .await
-            .map_err(unavailable)?
-            .outcome())
+            .map(|r| r.outcome())
+            .map_err(|e| EngineError::Unavailable(e.to_string()))
     }
 
     fn name(&self) -> &'static str {
         "redis"
     }
 
-    fn status(&self) -> serde_json::Value {
-        serde_json::json!({
-            "engine": "redis",
-            "redis": self.redis.display_url,
-            "replica_id": self.membership.id(),
-            "membership": self.membership.state(),
-            "epoch": self.epoch(),
-        })
+    fn status(&self) -> EngineStatus {
+        EngineStatus::Redis(Box::new(self.redis_status()))
     }
 }

@@ -26,7 +26,7 @@ use crate::proto::rls::rate_limit_response::{
 use crate::proto::rls::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
 use crate::proto::rls::{RateLimitRequest, RateLimitResponse};
 
-pub use validate::{Bounds, ValidationError};
+pub use validate::Bounds;
 
 /// The health service names leasehold answers for: the overall server (""),
 /// the reference's name, and the RLS service itself.

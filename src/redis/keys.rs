@@ -35,16 +35,13 @@
 //! replicas notice a Redis that lost its data), and `owner:<id>` (the live incarnation's nonce, with a
 //! TTL). The registry expires a day after the last heartbeat.
 
-use crate::engine::CounterKey;
+use crate::key::CounterKey;
 
-/// The base Redis key of a counter: the counter key with its domain (the
-/// part before the first `|` or `#`, which escaping keeps unambiguous)
-/// wrapped in a `{…}` hash tag.
+/// The base Redis key of a counter: the counter key with its hash tag (the
+/// escaped domain, [`CounterKey::split_tag`]) wrapped in `{…}`.
 pub fn counter_base(prefix: &str, key: &CounterKey) -> String {
-    let s = key.as_str();
-    let split = s.find(['|', '#']).unwrap_or(s.len());
-    let (domain, rest) = s.split_at(split);
-    let mut out = String::with_capacity(prefix.len() + s.len() + 2);
+    let (domain, rest) = key.split_tag();
+    let mut out = String::with_capacity(prefix.len() + key.as_str().len() + 2);
     out.push_str(prefix);
     out.push('{');
     out.push_str(domain);
@@ -67,14 +64,7 @@ pub fn window_total<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) ->
 /// Membership keys: (owner of `id`, members, index, next index, index
 /// owners, incarnation).
 pub fn membership(prefix: &str, id: &str) -> [String; 6] {
-    let mut escaped = String::new();
-    for c in id.chars() {
-        match c {
-            '{' | '}' | '%' | ' ' => escaped.push_str(&format!("%{:02X}", c as u32)),
-            c if (c as u32) < 0x20 => escaped.push_str(&format!("%{:02X}", c as u32)),
-            c => escaped.push(c),
-        }
-    }
+    let escaped = crate::key::escape_id(id);
     [
         format!("{prefix}{{leasehold}}:owner:{escaped}"),
         format!("{prefix}{{leasehold}}:members"),

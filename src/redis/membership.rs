@@ -84,13 +84,13 @@ impl Membership {
     }
 
     async fn call(&self, action: &str) -> Result<Vec<Value>, CallError> {
-        let args = vec![
-            self.id.clone(),
-            self.nonce.clone(),
-            self.ttl.as_millis().to_string(),
-            action.to_string(),
-            self.state.read().index.unwrap_or(0).to_string(),
-        ];
+        let args = super::scripts::members_args(
+            &self.id,
+            &self.nonce,
+            self.ttl.as_millis(),
+            action,
+            self.state.read().index.unwrap_or(0),
+        );
         // Membership is off the request path: give it a budget that a slow
         // but healthy Redis meets.
         let budget = self.every.max(self.redis.deadline());

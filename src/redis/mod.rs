@@ -3,30 +3,19 @@
 //! deadlines and membership heartbeats. Callers get domain values and a
 //! [`CallError`] that says whether the call may have been applied.
 
+pub mod inspect;
 pub mod keys;
 pub mod membership;
+pub mod scripts;
 
 use std::time::Duration;
 
 use fred::prelude::*;
+
+pub use crate::domain::backend::CallError;
 use fred::types::config::{Options, ReconnectPolicy, TcpConfig};
-
-/// The decision script (see its header for the KEYS/ARGV contract).
-pub const DECIDE_LUA: &str = include_str!("decide.lua");
-/// The membership script.
-pub const MEMBERS_LUA: &str = include_str!("members.lua");
-/// The replay script.
-pub const REPLAY_LUA: &str = include_str!("replay.lua");
-
-/// SHA1 of the decision script, as Redis knows it (SCRIPT EXISTS).
-pub fn decide_sha() -> String {
-    fred::util::sha1_hash(DECIDE_LUA)
-}
-
-/// SHA1 of the replay script.
-pub fn replay_sha() -> String {
-    fred::util::sha1_hash(REPLAY_LUA)
-}
+pub use scripts::{decide_sha, replay_sha};
+use scripts::{DECIDE_LUA, MEMBERS_LUA, REPLAY_LUA};
 
 /// Connection settings.
 #[derive(Clone, Debug)]
@@ -36,29 +25,6 @@ pub struct RedisConfig {
     pub pool_size: usize,
     /// Budget for one call, including a NOSCRIPT reload.
     pub deadline: Duration,
-}
-
-/// A failed call. `maybe_applied` is true when Redis may still execute (or
-/// has executed) the call: a timeout or a lost reply, as opposed to a call
-/// that provably never left.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    #[error("Redis call timed out after {0:?}")]
-    Timeout(Duration),
-    #[error("Redis is not connected: {0}")]
-    NotConnected(String),
-    #[error("Redis error: {0}")]
-    Redis(String),
-    #[error("unexpected reply from Redis: {0}")]
-    Reply(String),
-}
-
-impl CallError {
-    pub fn maybe_applied(&self) -> bool {
-        // Only a call that never left is known not to have run; an odd reply
-        // may belong to a call that did.
-        !matches!(self, CallError::NotConnected(_))
-    }
 }
 
 struct Script {
@@ -314,7 +280,6 @@ impl Redis {
         }
     }
 
-    /// Closes the connections.
     /// Closes the connections; bounded, because QUIT waits for a reply a
     /// dead or hung Redis never sends.
     pub async fn quit(&self) {

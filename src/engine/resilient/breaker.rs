@@ -1,15 +1,17 @@
-//! The Redis breaker: a small state machine fed by call outcomes, with time
-//! passed in (milliseconds), so its timing is tested exactly.
+//! The Redis breaker: one state machine fed by call outcomes, with time
+//! passed in (milliseconds), so its timing is tested exactly. Only
+//! `healthy` sends decisions to Redis; each transition is documented at
+//! its match arm.
 //!
-//! - `healthy`: decisions go to Redis. Consecutive failures (errors or calls
-//!   that missed the deadline, which is how a hung Redis shows) reaching
-//!   `failures_to_trip` trip it; a success resets the count, so one slow call
-//!   never trips it.
-//! - `tripped`: every decision is local (leases); Redis is probed with PING
-//!   on a jittered interval.
+//! - `healthy`: decisions go to Redis.
+//! - `tripped`: every decision is local (leases); Redis is probed on a
+//!   jittered interval.
 //! - `probing`: a probe succeeded and this replica's outage usage is being
-//!   replayed; decisions stay local. Only when the replay has finished does it
-//!   return to `healthy`; a failed replay trips it again.
+//!   replayed; decisions stay local.
+//! - `settling`: the replay finished, but the other replicas may still be
+//!   deciding on their leases and Redis does not hold those grants yet, so
+//!   this replica stays local until `settle_ms` has passed and one final
+//!   replay round has run.
 
 use std::collections::VecDeque;
 
@@ -21,6 +23,7 @@ pub enum BreakerState {
     Healthy,
     Tripped,
     Probing,
+    Settling,
 }
 
 impl BreakerState {
@@ -29,6 +32,7 @@ impl BreakerState {
             BreakerState::Healthy => "healthy",
             BreakerState::Tripped => "tripped",
             BreakerState::Probing => "probing",
+            BreakerState::Settling => "settling",
         }
     }
 }
@@ -38,6 +42,8 @@ pub struct BreakerConfig {
     pub failures_to_trip: u32,
     pub probe_interval_ms: u64,
     pub probe_jitter_ms: u64,
+    /// How long a recovered replica stays local before Redis (0: none).
+    pub settle_ms: u64,
 }
 
 /// One state change, for logs, metrics and /status.
@@ -124,52 +130,89 @@ impl Breaker {
         }
     }
 
-    /// A Redis-path call failed or missed its deadline.
+    /// A Redis call on the Redis path (a decision, or a replay while
+    /// healthy) failed or missed its deadline.
     pub fn on_failure(&mut self, now_ms: u64, reason: &str) -> Option<Transition> {
-        if self.state != BreakerState::Healthy {
-            return None;
+        match self.state {
+            // Healthy → tripped only after `failures_to_trip` in a row: a
+            // success in between resets the count, so one slow call never
+            // trips it.
+            BreakerState::Healthy => {
+                self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+                if self.consecutive_failures < self.cfg.failures_to_trip {
+                    return None;
+                }
+                let why = format!(
+                    "{} consecutive failures, last: {reason}",
+                    self.consecutive_failures
+                );
+                self.go(BreakerState::Tripped, now_ms, &why)
+            }
+            // Elsewhere it is a decision call sent before the trip that
+            // failed late: it says nothing new. A failed replay while
+            // probing or settling is `on_replay_failed`.
+            BreakerState::Tripped | BreakerState::Probing | BreakerState::Settling => None,
         }
-        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
-        if self.consecutive_failures >= self.cfg.failures_to_trip {
-            let why = format!(
-                "{} consecutive failures, last: {reason}",
-                self.consecutive_failures
-            );
-            return self.go(BreakerState::Tripped, now_ms, &why);
-        }
-        None
     }
 
-    /// A probe answered: start replaying.
+    /// A probe answered.
     pub fn on_probe_ok(&mut self, now_ms: u64) -> Option<Transition> {
-        if self.state != BreakerState::Tripped {
-            return None;
+        match self.state {
+            // Tripped → probing: Redis answers; replay before using it.
+            BreakerState::Tripped => self.go(
+                BreakerState::Probing,
+                now_ms,
+                "probe answered; replaying outage usage",
+            ),
+            _ => None,
         }
-        self.go(
-            BreakerState::Probing,
-            now_ms,
-            "probe answered; replaying outage usage",
-        )
     }
 
-    /// The replay finished: back to the Redis path.
+    /// A replay round finished with nothing left waiting.
     pub fn on_replay_done(&mut self, now_ms: u64) -> Option<Transition> {
-        if self.state != BreakerState::Probing {
-            return None;
+        match self.state {
+            // Probing → settling: this replica's usage is in Redis, the
+            // others' may not be yet. Without a settle period, straight on
+            // to healthy.
+            BreakerState::Probing if self.cfg.settle_ms > 0 => {
+                self.go(BreakerState::Settling, now_ms, "replay finished; settling")
+            }
+            BreakerState::Probing => {
+                self.consecutive_failures = 0;
+                self.go(BreakerState::Healthy, now_ms, "replay finished")
+            }
+            // Settling → healthy: the settle period is over and this final
+            // replay round ran after it.
+            BreakerState::Settling if now_ms >= self.since_ms + self.cfg.settle_ms => {
+                self.consecutive_failures = 0;
+                self.go(BreakerState::Healthy, now_ms, "settled")
+            }
+            _ => None,
         }
-        self.consecutive_failures = 0;
-        self.go(BreakerState::Healthy, now_ms, "replay finished")
+    }
+
+    /// How long a recovered replica stays local before Redis.
+    pub fn settle_ms(&self) -> u64 {
+        self.cfg.settle_ms
+    }
+
+    /// Whether a settling breaker's period is over (time for the final
+    /// replay round).
+    pub fn settle_due(&self, now_ms: u64) -> bool {
+        self.state == BreakerState::Settling && now_ms >= self.since_ms + self.cfg.settle_ms
     }
 
     pub fn on_replay_failed(&mut self, now_ms: u64, reason: &str) -> Option<Transition> {
-        if self.state != BreakerState::Probing {
-            return None;
+        match self.state {
+            // Probing or settling → tripped: Redis went away again before
+            // this replica's usage was confirmed; back to leases and probes.
+            BreakerState::Probing | BreakerState::Settling => self.go(
+                BreakerState::Tripped,
+                now_ms,
+                &format!("replay failed: {reason}"),
+            ),
+            _ => None,
         }
-        self.go(
-            BreakerState::Tripped,
-            now_ms,
-            &format!("replay failed: {reason}"),
-        )
     }
 
     /// Delay before the next probe: the interval ± jitter, from a uniform
@@ -190,9 +233,49 @@ mod tests {
                 failures_to_trip: 3,
                 probe_interval_ms: 500,
                 probe_jitter_ms: 100,
+                settle_ms: 0,
             },
             0,
         )
+    }
+
+    #[test]
+    fn settling_is_a_state_between_replay_and_healthy() {
+        let mut b = Breaker::new(
+            BreakerConfig {
+                failures_to_trip: 1,
+                probe_interval_ms: 500,
+                probe_jitter_ms: 0,
+                settle_ms: 300,
+            },
+            0,
+        );
+        b.on_failure(10, "refused");
+        b.on_probe_ok(500);
+        let t = b.on_replay_done(520).expect("probing → settling");
+        assert_eq!(
+            (t.from, t.to),
+            (BreakerState::Probing, BreakerState::Settling)
+        );
+        assert!(!b.allows_redis(), "settling decides locally");
+        assert!(!b.settle_due(819));
+        assert!(b.on_replay_done(819).is_none(), "not before the period");
+        assert!(b.settle_due(820));
+        assert_eq!(
+            b.on_replay_done(820).map(|t| t.to),
+            Some(BreakerState::Healthy)
+        );
+        assert!(b.allows_redis());
+        // A late decision failure while settling changes nothing; a failed
+        // final replay trips it again.
+        b.on_failure(900, "refused");
+        b.on_probe_ok(1_400);
+        b.on_replay_done(1_410);
+        assert!(b.on_failure(1_450, "late").is_none());
+        assert_eq!(
+            b.on_replay_failed(1_500, "timeout").map(|t| t.to),
+            Some(BreakerState::Tripped)
+        );
     }
 
     #[test]

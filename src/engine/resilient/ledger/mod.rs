@@ -4,7 +4,7 @@
 //!
 //! - **Replay of local usage.** Per live window, the cumulative grants this
 //!   replica made on its lease; replay sets its `o<idx>` field to it (see
-//!   `redis/replay.lua`): idempotent, attributed to the window it happened
+//!   the replay script): idempotent, attributed to the window it happened
 //!   in, and free of races because no other writer touches that field.
 //! - **Repair of suspect keys.** Per live window, the sum of the deltas of
 //!   Redis-path calls Redis confirmed. A key whose call failed in a way that
@@ -23,9 +23,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::engine::redis::{RawItem, ReplayEntry, ReplayKind};
-use crate::engine::CounterKey;
+use crate::domain::backend::{RawItem, ReplayEntry, ReplayKind};
+use crate::key::CounterKey;
 use crate::limit::{Algorithm, LimitSpec};
+
+mod views;
 
 const SHARDS: usize = 32;
 
@@ -300,31 +302,6 @@ impl Ledger {
         }
     }
 
-    /// Lease inputs at Redis time `redis_now_ms`: (demand share, what
-    /// remains of the limit as Redis last said). For windowed algorithms
-    /// that is the last remaining of the current window; for a token bucket,
-    /// the tokens left at last contact plus what has refilled since.
-    pub fn lease_inputs(
-        &self,
-        key: &CounterKey,
-        spec: &LimitSpec,
-        redis_now_ms: u64,
-    ) -> (Option<f64>, Option<u64>) {
-        self.shard(key).lock().get(key).map_or((None, None), |e| {
-            let remaining = e.last_remaining.and_then(|(w, r, at)| {
-                if spec.algorithm == Algorithm::TokenBucket {
-                    let refilled = redis_now_ms.saturating_sub(at) as f64
-                        * f64::from(spec.requests_per_unit)
-                        / spec.unit.millis() as f64;
-                    Some(((r as f64 + refilled).min(f64::from(spec.burst))) as u64)
-                } else {
-                    (w == window_of(spec, redis_now_ms)).then_some(r)
-                }
-            });
-            (e.demand, remaining)
-        })
-    }
-
     /// What to replay now: local usage Redis has not confirmed, and repairs
     /// of suspect keys whose last Redis call is at least `quiet_ms` old (none
     /// can still be in flight). Also returns how many suspect keys are still
@@ -404,232 +381,7 @@ impl Ledger {
             }
         }
     }
-
-    /// Drops dead windows and entries with nothing left to remember.
-    pub fn sweep(&self, redis_now_ms: u64, margin_ms: u64) {
-        for shard in &self.shards {
-            let mut map = shard.lock();
-            let before = map.len();
-            map.retain(|_, e| {
-                e.windows
-                    .retain(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms));
-                if e.windows.is_empty() {
-                    // Nothing live is left to repair.
-                    e.suspect = false;
-                }
-                !e.windows.is_empty()
-            });
-            self.len.fetch_sub(before - map.len(), Ordering::Relaxed);
-        }
-    }
-
-    /// The `n` busiest keys with their specs, for /status: keys used in
-    /// the window that is current at `now_ms` (per their own unit) first,
-    /// by this replica's use in it (Redis path plus local), then the most
-    /// recently touched.
-    pub fn busiest(&self, n: usize, now_ms: u64) -> Vec<(CounterKey, LimitSpec)> {
-        let mut all: Vec<((bool, i64, u64), CounterKey, LimitSpec)> = Vec::new();
-        for shard in &self.shards {
-            for (key, e) in shard.lock().iter() {
-                let current = window_of(&e.spec, now_ms);
-                let used = e
-                    .windows
-                    .iter()
-                    .find(|w| w.window == current)
-                    .map(|w| w.redis_own + w.local_own);
-                all.push((
-                    (used.is_some(), used.unwrap_or(0), e.touched_ms),
-                    key.clone(),
-                    e.spec,
-                ));
-            }
-        }
-        let by_rank =
-            |a: &((bool, i64, u64), CounterKey, LimitSpec),
-             b: &((bool, i64, u64), CounterKey, LimitSpec)| b.0.cmp(&a.0);
-        // Only the top n need ordering; the ledger may hold many keys.
-        if all.len() > n && n > 0 {
-            all.select_nth_unstable_by(n - 1, by_rank);
-            all.truncate(n);
-        }
-        all.sort_unstable_by(by_rank);
-        all.into_iter().take(n).map(|(_, k, s)| (k, s)).collect()
-    }
-
-    /// Every (key, spec, window, cumulative local count) Redis has not
-    /// confirmed yet: the journal's snapshot.
-    pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64)> {
-        let mut out = Vec::new();
-        for shard in &self.shards {
-            for (key, e) in shard.lock().iter() {
-                for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
-                    out.push((key.clone(), e.spec, w.window, w.local_own));
-                }
-            }
-        }
-        out
-    }
-
-    /// Restores a journaled local count (after a restart): it is replayed
-    /// like any other local usage.
-    pub fn restore_local(
-        &self,
-        key: &CounterKey,
-        spec: &LimitSpec,
-        window: u64,
-        now_ms: u64,
-        local_own: i64,
-    ) {
-        if !replayable(spec) {
-            return;
-        }
-        self.with_entry(key, spec, now_ms, |e| {
-            let w = e.window_mut(window);
-            w.local_own = w.local_own.max(local_own);
-            w.local_replayed = 0;
-        });
-    }
-
-    /// (keys needing replay, unreplayed hits, suspect keys) for /status
-    /// and metrics.
-    pub fn pending(&self) -> (usize, i64, usize) {
-        let (mut keys, mut hits, mut suspect) = (0, 0, 0);
-        for shard in &self.shards {
-            for e in shard.lock().values() {
-                if e.needs_replay() {
-                    keys += 1;
-                    hits += e.unreplayed();
-                }
-                suspect += usize::from(e.suspect);
-            }
-        }
-        (keys, hits, suspect)
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limit::Unit;
-
-    fn item(delta: i64, remaining: u64, own: i64, total: i64) -> RawItem {
-        RawItem {
-            over: false,
-            remaining,
-            reset_ms: 0,
-            own,
-            total,
-            delta,
-        }
-    }
-
-    fn key(v: &str) -> (CounterKey, LimitSpec) {
-        let spec = LimitSpec::fixed(100, Unit::Second);
-        (CounterKey::new("d", [("k", v)], &spec), spec)
-    }
-
-    #[test]
-    fn local_usage_replays_by_value_and_only_once() {
-        let l = Ledger::new(10);
-        let (k, s) = key("a");
-        l.note_issue(&k, &s, 1_000);
-        l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
-        assert_eq!(l.expected(&k, 5), 3);
-        assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(97)));
-        assert_eq!(l.lease_inputs(&k, &s, 6_000), (Some(0.25), None));
-        l.record_local(&k, &s, 5, 1_100, 2);
-        l.record_local(&k, &s, 5, 1_100, 1);
-        assert!(
-            !l.is_suspect(&k),
-            "local usage alone does not take the key off Redis"
-        );
-        assert_eq!(l.pending(), (1, 3, 0));
-        let (plan, waiting) = l.replay_plan(1_050, 5_150, 100, 1_000);
-        assert_eq!(waiting, 0);
-        assert_eq!(plan[0].entries.len(), 1);
-        assert_eq!(
-            (plan[0].entries[0].kind, plan[0].entries[0].value),
-            (ReplayKind::Local, 3)
-        );
-        l.mark_replayed(&plan);
-        assert_eq!(l.pending(), (0, 0, 0));
-        // More local usage later: the next value is cumulative, not a delta.
-        l.record_local(&k, &s, 5, 1_200, 1);
-        let (plan, _) = l.replay_plan(1_300, 5_300, 100, 1_000);
-        assert_eq!(plan[0].entries[0].value, 4);
-    }
-
-    #[test]
-    fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
-        let l = Ledger::new(10);
-        let (k, s) = key("b");
-        l.note_issue(&k, &s, 1_000);
-        l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
-        l.note_issue(&k, &s, 2_000);
-        l.mark_suspect(&k, &s, 2_005);
-        assert!(l.is_suspect(&k));
-        let (plan, waiting) = l.replay_plan(2_050, 7_100, 100, 1_000);
-        assert!(
-            plan.is_empty() && waiting == 1,
-            "a call may still be in flight"
-        );
-        let (plan, waiting) = l.replay_plan(2_100, 7_150, 100, 1_000);
-        assert_eq!(waiting, 0);
-        assert_eq!(
-            (plan[0].entries[0].kind, plan[0].entries[0].value),
-            (ReplayKind::Repair, 4)
-        );
-        // Suspect again while the repair ran: stays suspect.
-        l.mark_suspect(&k, &s, 2_120);
-        l.mark_replayed(&plan);
-        assert!(l.is_suspect(&k));
-        let (plan, _) = l.replay_plan(2_300, 7_300, 100, 1_000);
-        l.mark_replayed(&plan);
-        assert!(!l.is_suspect(&k));
-    }
-
-    #[test]
-    fn dead_windows_are_not_replayed_and_are_swept() {
-        let l = Ledger::new(10);
-        let (k, s) = key("c");
-        l.record_local(&k, &s, 3, 0, 4);
-        // Window 3 of a 1 s unit lives until 4_000 + margin.
-        let (plan, _) = l.replay_plan(0, 5_500, 0, 1_000);
-        assert!(plan.is_empty());
-        l.sweep(5_500, 1_000);
-        assert!(l.is_empty());
-    }
-
-    #[test]
-    fn redis_data_loss_reasserts_everything() {
-        let l = Ledger::new(10);
-        let (k, s) = key("d");
-        l.record_redis(&k, &s, 9_000, 0, &item(5, 95, 5, 5));
-        l.record_local(&k, &s, 9, 0, 2);
-        let (plan, _) = l.replay_plan(1_000, 9_100, 0, 1_000);
-        l.mark_replayed(&plan);
-        l.reassert_all();
-        let (plan, _) = l.replay_plan(1_000, 9_200, 0, 1_000);
-        let kinds: Vec<_> = plan[0].entries.iter().map(|e| (e.kind, e.value)).collect();
-        assert_eq!(kinds, [(ReplayKind::Local, 2), (ReplayKind::Repair, 5)]);
-    }
-
-    #[test]
-    fn the_cap_keeps_or_counts_every_hit() {
-        let l = Ledger::new(2);
-        let (a, s) = key("a");
-        let (b, _) = key("b");
-        let (c, _) = key("c");
-        l.record_local(&a, &s, 1, 10, 5);
-        l.record_redis(&b, &s, 1_000, 20, &item(1, 99, 1, 1));
-        l.record_local(&c, &s, 1, 30, 1);
-        assert!(l.len() <= 2);
-        let dropped = l.dropped_usage.load(Ordering::Relaxed);
-        let (_, pending, _) = l.pending();
-        assert_eq!(
-            pending + dropped as i64,
-            6,
-            "usage is either kept or counted as dropped"
-        );
-    }
-}
+mod tests;

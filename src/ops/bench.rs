@@ -9,7 +9,7 @@ use clap::Args;
 use hdrhistogram::Histogram;
 use tonic::transport::{Channel, Endpoint};
 
-use super::query::endpoint_uri;
+use super::http_client::endpoint_uri;
 use crate::proto::common::rate_limit_descriptor::Entry;
 use crate::proto::common::RateLimitDescriptor;
 use crate::proto::rls::rate_limit_response::Code;

@@ -7,11 +7,6 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -22,98 +17,9 @@ use crate::proto::rls::rate_limit_response::Code;
 use crate::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use crate::proto::rls::RateLimitRequest;
 
-pub use crate::grpc::REPLICA_HEADER;
+pub use crate::REPLICA_HEADER;
 
-/// A small HTTP/1.1 client with keep-alive.
-#[derive(Clone)]
-pub struct HttpClient {
-    client: Client<HttpConnector, Empty<Bytes>>,
-}
-
-/// What an HTTP call returned.
-#[derive(Debug, Clone)]
-pub struct HttpReply {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: String,
-}
-
-impl HttpReply {
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-impl Default for HttpClient {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl HttpClient {
-    pub fn new() -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(1)));
-        connector.set_nodelay(true);
-        HttpClient {
-            client: Client::builder(TokioExecutor::new()).build(connector),
-        }
-    }
-
-    /// GET with headers, bounded by a 2 s timeout.
-    pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> anyhow::Result<HttpReply> {
-        let mut req = hyper::Request::get(url);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let req = req.body(Empty::new())?;
-        let call = async {
-            let resp = self.client.request(req).await?;
-            let status = resp.status().as_u16();
-            let headers = resp
-                .headers()
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        k.as_str().to_string(),
-                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                    )
-                })
-                .collect();
-            let body = resp.into_body().collect().await?.to_bytes();
-            anyhow::Ok(HttpReply {
-                status,
-                headers,
-                body: String::from_utf8_lossy(&body).into_owned(),
-            })
-        };
-        tokio::time::timeout(Duration::from_secs(2), call)
-            .await
-            .map_err(|_| anyhow::anyhow!("GET {url}: timed out"))?
-    }
-}
-
-/// gRPC health answers SERVING for the overall server at `uri`.
-pub async fn grpc_serving(uri: &str) -> bool {
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::HealthCheckRequest;
-    let attempt = async {
-        let channel = Channel::from_shared(uri.to_string())?.connect().await?;
-        let reply = HealthClient::new(channel)
-            .check(HealthCheckRequest {
-                service: String::new(),
-            })
-            .await?;
-        anyhow::Ok(reply.into_inner().status == 1)
-    };
-    matches!(
-        tokio::time::timeout(Duration::from_secs(1), attempt).await,
-        Ok(Ok(true))
-    )
-}
+pub use super::http_client::{grpc_serving, HttpClient, HttpReply};
 
 /// Which front door a call went through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -1,0 +1,131 @@
+//! The contract between the resilient engine and the shared store it
+//! degrades from: decide a batch (with this replica's expected counts, for
+//! data-loss detection), replay per-window fields, probe with a heartbeat,
+//! and report membership. The Redis adapter implements it on top of
+//! `crate::redis`; unit tests implement it with a scripted fake.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::{BatchOutcome, DecisionPath, ItemOutcome};
+use crate::domain::Batch;
+use crate::key::CounterKey;
+use crate::limit::LimitSpec;
+
+/// One charge's part of a decision reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawItem {
+    pub over: bool,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    /// This replica's count for the key's window(s) after the call; -1 when
+    /// the algorithm keeps none (sliding log).
+    pub own: i64,
+    pub total: i64,
+    /// What the call changed this replica's field by (0 when denied).
+    pub delta: i64,
+}
+
+/// A decoded decision reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawReply {
+    /// The store's time of the call.
+    pub now_ms: u64,
+    pub denied: bool,
+    /// An own field was below what this replica knew: the store lost data.
+    pub lost: bool,
+    pub items: Vec<RawItem>,
+}
+
+impl RawReply {
+    /// The decision part of the reply.
+    pub fn outcome(&self) -> BatchOutcome {
+        BatchOutcome {
+            items: self
+                .items
+                .iter()
+                .map(|i| ItemOutcome {
+                    over: i.over,
+                    remaining: i.remaining,
+                    reset_ms: i.reset_ms,
+                })
+                .collect(),
+            denied: self.denied,
+            path: DecisionPath::Redis,
+        }
+    }
+}
+
+/// Which of its fields replay sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayKind {
+    /// `o<idx>`: cumulative grants made locally in the window.
+    Local,
+    /// `<idx>` and its fence: the confirmed Redis-path count.
+    Repair,
+}
+
+/// One (counter, window) field that replay sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayEntry {
+    pub key: CounterKey,
+    pub spec: LimitSpec,
+    pub window: u64,
+    pub kind: ReplayKind,
+    pub value: i64,
+}
+
+/// A failed call. `maybe_applied` is true when the store may still execute
+/// (or has executed) the call: a timeout or a lost reply, as opposed to a
+/// call that provably never left.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("Redis call timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("Redis is not connected: {0}")]
+    NotConnected(String),
+    #[error("Redis error: {0}")]
+    Redis(String),
+    #[error("unexpected reply from Redis: {0}")]
+    Reply(String),
+}
+
+impl CallError {
+    pub fn maybe_applied(&self) -> bool {
+        // Only a call that never left is known not to have run; an odd reply
+        // may belong to a call that did.
+        !matches!(self, CallError::NotConnected(_))
+    }
+}
+
+/// Membership as last seen in the store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Members {
+    /// Live replicas (heartbeat within the TTL).
+    pub live: usize,
+    /// Times the store turned out to be a new dataset (lost its data).
+    pub reregistrations: u64,
+}
+
+/// The store behind the resilient engine.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// One decision within the call budget. `expected[i]` is this replica's
+    /// confirmed (count, window) for charge i, count -1 when unknown.
+    async fn decide(&self, batch: &Batch, expected: &[(i64, u64)]) -> Result<RawReply, CallError>;
+
+    /// Sets this replica's fields for each (counter, window), behind a fresh
+    /// fence; returns how many entries were live and written.
+    async fn replay(&self, entries: &[ReplayEntry], budget: Duration) -> Result<u64, CallError>;
+
+    /// A probe: one heartbeat round trip through the scripting path.
+    /// `Ok(true)` when this replica holds a field index (may write).
+    async fn probe(&self) -> Result<bool, CallError>;
+
+    /// Membership as of the last heartbeat.
+    fn members(&self) -> Members;
+
+    /// Facts for /status (`"redis"` section).
+    fn status(&self) -> serde_json::Value;
+}

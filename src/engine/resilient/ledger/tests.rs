@@ -1,0 +1,125 @@
+//! Unit tests of the ledger.
+use super::*;
+use crate::limit::Unit;
+use std::sync::atomic::Ordering;
+
+fn item(delta: i64, remaining: u64, own: i64, total: i64) -> RawItem {
+    RawItem {
+        over: false,
+        remaining,
+        reset_ms: 0,
+        own,
+        total,
+        delta,
+    }
+}
+
+fn key(v: &str) -> (CounterKey, LimitSpec) {
+    let spec = LimitSpec::fixed(100, Unit::Second);
+    (CounterKey::new("d", [("k", v)], &spec), spec)
+}
+
+#[test]
+fn local_usage_replays_by_value_and_only_once() {
+    let l = Ledger::new(10);
+    let (k, s) = key("a");
+    l.note_issue(&k, &s, 1_000);
+    l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
+    assert_eq!(l.expected(&k, 5), 3);
+    assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(97)));
+    assert_eq!(l.lease_inputs(&k, &s, 6_000), (Some(0.25), None));
+    l.record_local(&k, &s, 5, 1_100, 2);
+    l.record_local(&k, &s, 5, 1_100, 1);
+    assert!(
+        !l.is_suspect(&k),
+        "local usage alone does not take the key off Redis"
+    );
+    assert_eq!(l.pending(), (1, 3, 0));
+    let (plan, waiting) = l.replay_plan(1_050, 5_150, 100, 1_000);
+    assert_eq!(waiting, 0);
+    assert_eq!(plan[0].entries.len(), 1);
+    assert_eq!(
+        (plan[0].entries[0].kind, plan[0].entries[0].value),
+        (ReplayKind::Local, 3)
+    );
+    l.mark_replayed(&plan);
+    assert_eq!(l.pending(), (0, 0, 0));
+    // More local usage later: the next value is cumulative, not a delta.
+    l.record_local(&k, &s, 5, 1_200, 1);
+    let (plan, _) = l.replay_plan(1_300, 5_300, 100, 1_000);
+    assert_eq!(plan[0].entries[0].value, 4);
+}
+
+#[test]
+fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
+    let l = Ledger::new(10);
+    let (k, s) = key("b");
+    l.note_issue(&k, &s, 1_000);
+    l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
+    l.note_issue(&k, &s, 2_000);
+    l.mark_suspect(&k, &s, 2_005);
+    assert!(l.is_suspect(&k));
+    let (plan, waiting) = l.replay_plan(2_050, 7_100, 100, 1_000);
+    assert!(
+        plan.is_empty() && waiting == 1,
+        "a call may still be in flight"
+    );
+    let (plan, waiting) = l.replay_plan(2_100, 7_150, 100, 1_000);
+    assert_eq!(waiting, 0);
+    assert_eq!(
+        (plan[0].entries[0].kind, plan[0].entries[0].value),
+        (ReplayKind::Repair, 4)
+    );
+    // Suspect again while the repair ran: stays suspect.
+    l.mark_suspect(&k, &s, 2_120);
+    l.mark_replayed(&plan);
+    assert!(l.is_suspect(&k));
+    let (plan, _) = l.replay_plan(2_300, 7_300, 100, 1_000);
+    l.mark_replayed(&plan);
+    assert!(!l.is_suspect(&k));
+}
+
+#[test]
+fn dead_windows_are_not_replayed_and_are_swept() {
+    let l = Ledger::new(10);
+    let (k, s) = key("c");
+    l.record_local(&k, &s, 3, 0, 4);
+    // Window 3 of a 1 s unit lives until 4_000 + margin.
+    let (plan, _) = l.replay_plan(0, 5_500, 0, 1_000);
+    assert!(plan.is_empty());
+    l.sweep(5_500, 1_000);
+    assert!(l.is_empty());
+}
+
+#[test]
+fn redis_data_loss_reasserts_everything() {
+    let l = Ledger::new(10);
+    let (k, s) = key("d");
+    l.record_redis(&k, &s, 9_000, 0, &item(5, 95, 5, 5));
+    l.record_local(&k, &s, 9, 0, 2);
+    let (plan, _) = l.replay_plan(1_000, 9_100, 0, 1_000);
+    l.mark_replayed(&plan);
+    l.reassert_all();
+    let (plan, _) = l.replay_plan(1_000, 9_200, 0, 1_000);
+    let kinds: Vec<_> = plan[0].entries.iter().map(|e| (e.kind, e.value)).collect();
+    assert_eq!(kinds, [(ReplayKind::Local, 2), (ReplayKind::Repair, 5)]);
+}
+
+#[test]
+fn the_cap_keeps_or_counts_every_hit() {
+    let l = Ledger::new(2);
+    let (a, s) = key("a");
+    let (b, _) = key("b");
+    let (c, _) = key("c");
+    l.record_local(&a, &s, 1, 10, 5);
+    l.record_redis(&b, &s, 1_000, 20, &item(1, 99, 1, 1));
+    l.record_local(&c, &s, 1, 30, 1);
+    assert!(l.len() <= 2);
+    let dropped = l.dropped_usage.load(Ordering::Relaxed);
+    let (_, pending, _) = l.pending();
+    assert_eq!(
+        pending + dropped as i64,
+        6,
+        "usage is either kept or counted as dropped"
+    );
+}

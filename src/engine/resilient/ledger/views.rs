@@ -1,0 +1,137 @@
+//! The ledger's read side and housekeeping: lease inputs, the busiest keys
+//! for /status, pending totals for metrics, the journal's snapshot and
+//! restore, and the sweep of dead windows.
+
+use std::sync::atomic::Ordering;
+
+use super::{replayable, window_live, window_of, Ledger};
+use crate::key::CounterKey;
+use crate::limit::Algorithm;
+use crate::limit::LimitSpec;
+
+impl Ledger {
+    /// Lease inputs at Redis time `redis_now_ms`: (demand share, what
+    /// remains of the limit as Redis last said). For windowed algorithms
+    /// that is the last remaining of the current window; for a token bucket,
+    /// the tokens left at last contact plus what has refilled since.
+    pub fn lease_inputs(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        redis_now_ms: u64,
+    ) -> (Option<f64>, Option<u64>) {
+        self.shard(key).lock().get(key).map_or((None, None), |e| {
+            let remaining = e.last_remaining.and_then(|(w, r, at)| {
+                if spec.algorithm == Algorithm::TokenBucket {
+                    let refilled = redis_now_ms.saturating_sub(at) as f64
+                        * f64::from(spec.requests_per_unit)
+                        / spec.unit.millis() as f64;
+                    Some(((r as f64 + refilled).min(f64::from(spec.burst))) as u64)
+                } else {
+                    (w == window_of(spec, redis_now_ms)).then_some(r)
+                }
+            });
+            (e.demand, remaining)
+        })
+    }
+
+    /// Drops dead windows and entries with nothing left to remember.
+    pub fn sweep(&self, redis_now_ms: u64, margin_ms: u64) {
+        for shard in &self.shards {
+            let mut map = shard.lock();
+            let before = map.len();
+            map.retain(|_, e| {
+                e.windows
+                    .retain(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms));
+                if e.windows.is_empty() {
+                    // Nothing live is left to repair.
+                    e.suspect = false;
+                }
+                !e.windows.is_empty()
+            });
+            self.len.fetch_sub(before - map.len(), Ordering::Relaxed);
+        }
+    }
+    /// The `n` busiest keys with their specs, for /status: keys used in
+    /// the window that is current at `now_ms` (per their own unit) first,
+    /// by this replica's use in it (Redis path plus local), then the most
+    /// recently touched.
+    pub fn busiest(&self, n: usize, now_ms: u64) -> Vec<(CounterKey, LimitSpec)> {
+        let mut all: Vec<((bool, i64, u64), CounterKey, LimitSpec)> = Vec::new();
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                let current = window_of(&e.spec, now_ms);
+                let used = e
+                    .windows
+                    .iter()
+                    .find(|w| w.window == current)
+                    .map(|w| w.redis_own + w.local_own);
+                all.push((
+                    (used.is_some(), used.unwrap_or(0), e.touched_ms),
+                    key.clone(),
+                    e.spec,
+                ));
+            }
+        }
+        let by_rank =
+            |a: &((bool, i64, u64), CounterKey, LimitSpec),
+             b: &((bool, i64, u64), CounterKey, LimitSpec)| b.0.cmp(&a.0);
+        // Only the top n need ordering; the ledger may hold many keys.
+        if all.len() > n && n > 0 {
+            all.select_nth_unstable_by(n - 1, by_rank);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(by_rank);
+        all.into_iter().take(n).map(|(_, k, s)| (k, s)).collect()
+    }
+
+    /// Every (key, spec, window, cumulative local count) Redis has not
+    /// confirmed yet: the journal's snapshot.
+    pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64)> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
+                    out.push((key.clone(), e.spec, w.window, w.local_own));
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores a journaled local count (after a restart): it is replayed
+    /// like any other local usage.
+    pub fn restore_local(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        window: u64,
+        now_ms: u64,
+        local_own: i64,
+    ) {
+        if !replayable(spec) {
+            return;
+        }
+        self.with_entry(key, spec, now_ms, |e| {
+            let w = e.window_mut(window);
+            w.local_own = w.local_own.max(local_own);
+            w.local_replayed = 0;
+        });
+    }
+
+    /// (keys needing replay, unreplayed hits, suspect keys) for /status
+    /// and metrics.
+    pub fn pending(&self) -> (usize, i64, usize) {
+        let (mut keys, mut hits, mut suspect) = (0, 0, 0);
+        for shard in &self.shards {
+            for e in shard.lock().values() {
+                if e.needs_replay() {
+                    keys += 1;
+                    hits += e.unreplayed();
+                }
+                suspect += usize::from(e.suspect);
+            }
+        }
+        (keys, hits, suspect)
+    }
+}

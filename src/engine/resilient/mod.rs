@@ -1,0 +1,309 @@
+//! The resilient engine: the only place that decides to degrade. It routes
+//! each request either to the shared store (a [`Backend`]: Redis in
+//! production, a scripted fake in unit tests) or to local leases:
+//!
+//! - While the breaker is healthy and none of the request's keys is
+//!   suspect, the request goes to the backend within the call budget. A call
+//!   that fails or misses the budget is decided locally at once, so a client
+//!   never waits on a dead or hung Redis and never sees an error because of
+//!   it; if the call may still apply, its keys become suspect (decided
+//!   locally until repaired, see [`ledger`]).
+//! - Otherwise (tripped, probing, settling, or a suspect key) it is decided
+//!   locally on leases ([`lease`]): this replica's share of each limit.
+//! - The recovery loop ([`recovery`]) probes when tripped, replays local
+//!   usage and repairs suspect keys, and lets the breaker ([`breaker`])
+//!   return to healthy only after a replay round has finished and the
+//!   settle period has passed.
+//!
+//! # What holds per algorithm
+//!
+//! fixed_window and sliding_window: leases per window, local usage replayed
+//! into the window it happened in, suspect keys repaired: after recovery
+//! Redis holds exactly the grants. token_bucket: local leases of
+//! `share × burst` refilled at `share × rate`; replay draws the tokens used
+//! locally from the Redis bucket once (the consumption field is the replay
+//! marker). sliding_log: leases hold during an outage, but local grants are
+//! not written back into the Redis log (they are kept locally only), so for
+//! one unit after recovery up to a lease's worth can be admitted again.
+
+pub mod breaker;
+pub mod journal;
+pub mod lease;
+pub mod ledger;
+mod recovery;
+mod status;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::{Engine, EngineStatus, MemoryEngine};
+use crate::clock::Clock;
+use crate::domain::backend::{Backend, RawReply};
+use crate::domain::{Batch, BatchOutcome, Charge, DecisionPath, EngineError};
+use breaker::{Breaker, BreakerConfig, BreakerState, Transition};
+use journal::Journal;
+use lease::{lease_share, lease_spec};
+use ledger::{window_of, Ledger};
+
+pub use recovery::Recovery;
+pub use status::{BreakerView, DecisionCounts, LeaseView, LedgerView, ReplayView, ResilientStatus};
+
+#[derive(Clone, Copy, Debug)]
+pub struct ResilientConfig {
+    pub deadline_ms: u64,
+    pub expiry_margin_ms: u64,
+    pub lease_min_share: f64,
+    pub replicas_hint: usize,
+    pub ledger_max_keys: usize,
+    pub breaker: BreakerConfig,
+}
+
+impl ResilientConfig {
+    /// How long a recovered replica stays on leases: long enough for every
+    /// other replica to have probed, replayed and come back too.
+    pub fn settle_ms(probe_interval_ms: u64, probe_jitter_ms: u64, deadline_ms: u64) -> u64 {
+        2 * (probe_interval_ms + probe_jitter_ms) + deadline_ms
+    }
+}
+
+/// Counters for /status and metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub redis_decisions: AtomicU64,
+    pub local_decisions: AtomicU64,
+    pub redis_failures: AtomicU64,
+    pub replay_runs: AtomicU64,
+    pub replayed_entries: AtomicU64,
+    /// Time spent in replay calls, microseconds.
+    pub replay_micros: AtomicU64,
+    pub data_loss_detected: AtomicU64,
+}
+
+pub struct ResilientEngine {
+    backend: Arc<dyn Backend>,
+    local: MemoryEngine,
+    ledger: Ledger,
+    breaker: Mutex<Breaker>,
+    clock: Arc<dyn Clock>,
+    /// Redis time minus local time, from the last reply.
+    offset_ms: AtomicI64,
+    /// Live members as last seen while Redis was reachable.
+    members: AtomicUsize,
+    cfg: ResilientConfig,
+    wake: Notify,
+    journal: Option<Journal>,
+    pub stats: Stats,
+    /// Latency of Redis decision calls, seconds, once /metrics provides it.
+    redis_call_seconds: OnceLock<prometheus::Histogram>,
+}
+
+/// Where one request is decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Backend,
+    Lease,
+}
+
+impl ResilientEngine {
+    /// With a journal, the lease grants a previous run of this replica had
+    /// not replayed are restored first and replayed like any others.
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        clock: Arc<dyn Clock>,
+        cfg: ResilientConfig,
+        journal: Option<Journal>,
+    ) -> Self {
+        let now = clock.now_ms();
+        let engine = ResilientEngine {
+            local: MemoryEngine::new(clock.clone()),
+            ledger: Ledger::new(cfg.ledger_max_keys),
+            breaker: Mutex::new(Breaker::new(cfg.breaker, now)),
+            offset_ms: AtomicI64::new(0),
+            members: AtomicUsize::new(cfg.replicas_hint.max(1)),
+            backend,
+            clock,
+            cfg,
+            wake: Notify::new(),
+            journal,
+            stats: Stats::default(),
+            redis_call_seconds: OnceLock::new(),
+        };
+        if let Some(journal) = &engine.journal {
+            journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
+        }
+        engine
+    }
+
+    /// Where to record the latency of Redis decision calls.
+    pub fn set_redis_call_histogram(&self, h: prometheus::Histogram) {
+        let _ = self.redis_call_seconds.set(h);
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.lock().state()
+    }
+
+    fn redis_now(&self, local_ms: u64) -> u64 {
+        (local_ms as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
+    }
+
+    /// The one place that says whether a request may use the backend.
+    fn route(&self, batch: &Batch) -> Route {
+        let healthy = self.breaker.lock().allows_redis();
+        if healthy && !batch.charges.iter().any(|c| self.ledger.is_suspect(&c.key)) {
+            Route::Backend
+        } else {
+            Route::Lease
+        }
+    }
+
+    fn log_transition(t: &Transition) {
+        match t.to {
+            BreakerState::Tripped => {
+                tracing::warn!(from = t.from.as_str(), reason = %t.reason, "breaker tripped: deciding locally on leases")
+            }
+            BreakerState::Probing => {
+                tracing::info!(reason = %t.reason, "breaker probing: Redis answers, replaying")
+            }
+            BreakerState::Settling => {
+                tracing::info!(reason = %t.reason, "breaker settling: waiting for the other replicas' replays")
+            }
+            BreakerState::Healthy => {
+                tracing::info!(reason = %t.reason, "breaker healthy: deciding on Redis again")
+            }
+        }
+    }
+
+    fn transition(&self, f: impl FnOnce(&mut Breaker) -> Option<Transition>) {
+        let t = f(&mut self.breaker.lock());
+        if let Some(t) = t {
+            Self::log_transition(&t);
+            self.wake.notify_one();
+        }
+    }
+
+    async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Option<BatchOutcome> {
+        let redis_now = self.redis_now(now);
+        let expected: Vec<(i64, u64)> = batch
+            .charges
+            .iter()
+            .map(|c| {
+                let w = window_of(&c.spec, redis_now);
+                (self.ledger.expected(&c.key, w), w)
+            })
+            .collect();
+        for c in &batch.charges {
+            self.ledger.note_issue(&c.key, &c.spec, now);
+        }
+        let started = std::time::Instant::now();
+        let result = self.backend.decide(batch, &expected).await;
+        if let Some(h) = self.redis_call_seconds.get() {
+            h.observe(started.elapsed().as_secs_f64());
+        }
+        match result {
+            Ok(reply) => {
+                self.breaker.lock().on_success();
+                Some(self.on_reply(batch, &reply, now))
+            }
+            Err(e) => {
+                self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+                if e.maybe_applied() {
+                    let at = self.clock.now_ms();
+                    for c in &batch.charges {
+                        self.ledger.mark_suspect(&c.key, &c.spec, at);
+                    }
+                }
+                tracing::debug!(error = %e, "Redis call failed; deciding locally");
+                let reason = e.to_string();
+                self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
+                None
+            }
+        }
+    }
+
+    fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
+        let now = self.clock.now_ms();
+        let mid = (sent_ms + now) / 2;
+        self.offset_ms
+            .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
+        for (c, item) in batch.charges.iter().zip(&reply.items) {
+            self.ledger
+                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
+        }
+        if reply.lost {
+            self.stats
+                .data_loss_detected
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("Redis lost counts this replica had written (restarted empty or failed over): re-asserting");
+            self.ledger.reassert_all();
+            self.wake.notify_one();
+        }
+        self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
+        reply.outcome()
+    }
+
+    /// Decides on leases, without any network.
+    fn decide_local(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
+        let redis_now = self.redis_now(now_ms);
+        let members = self.members.load(Ordering::Relaxed);
+        let leased = Batch {
+            charges: batch
+                .charges
+                .iter()
+                .map(|c| {
+                    let (demand, remaining) = self.ledger.lease_inputs(&c.key, &c.spec, redis_now);
+                    let share = lease_share(demand, members, self.cfg.lease_min_share);
+                    Charge {
+                        spec: lease_spec(&c.spec, share, remaining),
+                        ..c.clone()
+                    }
+                })
+                .collect(),
+            never_deny: batch.never_deny,
+        };
+        let (mut outcome, deltas) = self.local.apply_detailed(&leased, redis_now);
+        for (c, delta) in batch.charges.iter().zip(deltas) {
+            self.ledger.record_local(
+                &c.key,
+                &c.spec,
+                window_of(&c.spec, redis_now),
+                now_ms,
+                delta,
+            );
+        }
+        outcome.path = DecisionPath::Local;
+        self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
+        outcome
+    }
+}
+
+#[async_trait]
+impl Engine for ResilientEngine {
+    async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
+        let now = self.clock.now_ms();
+        if self.route(batch) == Route::Backend {
+            if let Some(outcome) = self.decide_on_backend(batch, now).await {
+                return Ok(outcome);
+            }
+        }
+        Ok(self.decide_local(batch, now))
+    }
+
+    fn name(&self) -> &'static str {
+        "resilient"
+    }
+
+    fn status(&self) -> EngineStatus {
+        EngineStatus::Resilient(Box::new(self.snapshot()))
+    }
+}

@@ -1,0 +1,206 @@
+//! The recovery loop: probe when tripped, replay local usage and repair
+//! suspect keys, keep membership and the ledger current, write the journal.
+//! One [`ResilientEngine::tick`] does one round and says how long to wait
+//! before the next, so unit tests drive trip → probe → replay → settle →
+//! healthy with a manual clock and no sleeping; [`ResilientEngine::run`]
+//! is that tick in a loop until stopped.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::breaker::BreakerState;
+use super::journal::JournalEntry;
+use super::ResilientEngine;
+
+/// Ledger sweeps and journal writes happen at most this often.
+const SWEEP_EVERY_MS: u64 = 1_000;
+const JOURNAL_EVERY_MS: u64 = 100;
+
+/// What the loop remembers between ticks.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    last_sweep_ms: u64,
+    last_journal_ms: u64,
+    reregistrations: Option<u64>,
+    journaled: Option<Vec<JournalEntry>>,
+}
+
+impl ResilientEngine {
+    /// The background loop until `stop`.
+    pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut recovery = Recovery::default();
+        loop {
+            let delay = self.tick(&mut recovery).await;
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = self.wake.notified() => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+    }
+
+    /// One round of the loop; returns the delay before the next.
+    pub async fn tick(&self, r: &mut Recovery) -> Duration {
+        let now = self.clock.now_ms();
+        let state = self.breaker_state();
+        self.follow_membership(state, r);
+        if self.journal.is_some() && now >= r.last_journal_ms + JOURNAL_EVERY_MS {
+            r.last_journal_ms = now;
+            self.write_journal(&mut r.journaled).await;
+        }
+        if now >= r.last_sweep_ms + SWEEP_EVERY_MS {
+            r.last_sweep_ms = now;
+            let redis_now = self.redis_now(now);
+            self.ledger.sweep(redis_now, self.cfg.expiry_margin_ms);
+            self.local.sweep(redis_now);
+        }
+        match state {
+            BreakerState::Tripped => self.probe().await,
+            // Settling replays too, every round: its lease grants must reach
+            // Redis while the replicas already back there decide on it. The
+            // first round after the period is the final one, which returns
+            // the breaker to healthy. Grants made after it are replayed by
+            // the next rounds (within a loop tick); waiting for none at all
+            // would never end under load, since settling decisions are lease
+            // grants.
+            BreakerState::Probing | BreakerState::Settling | BreakerState::Healthy => {
+                self.replay_round(state).await
+            }
+        }
+        self.next_delay()
+    }
+
+    fn next_delay(&self) -> Duration {
+        let b = self.breaker.lock();
+        let ms = match b.state() {
+            BreakerState::Tripped => {
+                let unit = (self.clock.now_ms() % 1_000) as f64 / 1_000.0;
+                b.probe_delay_ms(unit)
+            }
+            BreakerState::Probing => 5,
+            // Replay rounds as while healthy, and one as soon as the settle
+            // period is over.
+            BreakerState::Settling => {
+                let due = b.since_ms() + b.settle_ms();
+                due.saturating_sub(self.clock.now_ms()).clamp(5, 50)
+            }
+            BreakerState::Healthy => 50,
+        };
+        Duration::from_millis(ms)
+    }
+
+    /// Members for lease shares are taken while healthy and frozen during an
+    /// outage; a new dataset means Redis lost its data, so every live window
+    /// is re-asserted.
+    fn follow_membership(&self, state: BreakerState, r: &mut Recovery) {
+        let members = self.backend.members();
+        if state == BreakerState::Healthy && members.live > 0 {
+            self.members.store(members.live, Ordering::Relaxed);
+        }
+        match r.reregistrations {
+            Some(seen) if seen != members.reregistrations => {
+                self.stats
+                    .data_loss_detected
+                    .fetch_add(1, Ordering::Relaxed);
+                self.ledger.reassert_all();
+            }
+            _ => {}
+        }
+        r.reregistrations = Some(members.reregistrations);
+    }
+
+    /// The probe is a membership heartbeat: a round trip through the same
+    /// script path decisions use, which also tells whether Redis still
+    /// knows this replica.
+    async fn probe(&self) {
+        match self.backend.probe().await {
+            Ok(true) => self.transition(|b| b.on_probe_ok(self.clock.now_ms())),
+            Ok(false) => tracing::debug!("probe answered but this replica has no index yet"),
+            Err(e) => tracing::debug!(error = %e, "probe failed"),
+        }
+    }
+
+    /// Replays what the ledger plans. While probing or settling, a round
+    /// that leaves nothing waiting moves the breaker on; a failed one trips
+    /// it (while healthy, it counts as one failure).
+    pub(super) async fn replay_round(&self, state: BreakerState) {
+        let now = self.clock.now_ms();
+        let recovering = matches!(state, BreakerState::Probing | BreakerState::Settling);
+        // Past a deadline (plus a little scheduling slack) no call sent
+        // before can still be in flight.
+        let quiet = self.cfg.deadline_ms + 10;
+        let (plan, waiting) =
+            self.ledger
+                .replay_plan(now, self.redis_now(now), quiet, self.cfg.expiry_margin_ms);
+        if plan.is_empty() {
+            if waiting == 0 && recovering {
+                self.transition(|b| b.on_replay_done(self.clock.now_ms()));
+            }
+            return;
+        }
+        let entries: Vec<_> = plan
+            .iter()
+            .flat_map(|p| p.entries.iter().cloned())
+            .collect();
+        let budget = Duration::from_millis((self.cfg.deadline_ms * 20).max(1_000));
+        let started = std::time::Instant::now();
+        let result = self.backend.replay(&entries, budget).await;
+        self.stats
+            .replay_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(written) => {
+                self.ledger.mark_replayed(&plan);
+                self.stats.replay_runs.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .replayed_entries
+                    .fetch_add(written, Ordering::Relaxed);
+                tracing::info!(
+                    keys = plan.len(),
+                    entries = entries.len(),
+                    written,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "replayed"
+                );
+                if waiting == 0 && recovering {
+                    self.transition(|b| b.on_replay_done(self.clock.now_ms()));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "replay failed; will retry");
+                let reason = e.to_string();
+                let now = self.clock.now_ms();
+                if recovering {
+                    self.transition(|b| b.on_replay_failed(now, &reason));
+                } else {
+                    self.transition(|b| b.on_failure(now, &reason));
+                }
+            }
+        }
+    }
+
+    /// Writes the journal snapshot when it changed since the last write.
+    async fn write_journal(&self, last: &mut Option<Vec<JournalEntry>>) {
+        let Some(journal) = &self.journal else { return };
+        let snapshot: Vec<_> = self
+            .ledger
+            .unreplayed_snapshot()
+            .iter()
+            .map(|(k, s, w, n)| JournalEntry::new(k, s, *w, *n))
+            .collect();
+        if last.as_ref() == Some(&snapshot) {
+            return;
+        }
+        let journal = journal.clone();
+        let data = snapshot.clone();
+        let result = tokio::task::spawn_blocking(move || journal.store(&data)).await;
+        match result {
+            Ok(Ok(())) => *last = Some(snapshot),
+            Ok(Err(e)) => tracing::error!(error = %e, "cannot write the journal"),
+            Err(e) => tracing::error!(error = %e, "journal task failed"),
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! The Lua scripts and their contracts, one section per script: the KEYS
+//! and ARGV each takes (packed here, and only here) and the reply each
+//! gives (decoded here into domain values). The scripts' own headers say
+//! the same from the Lua side; the two are kept side by side on purpose.
+
+use crate::domain::backend::{RawItem, RawReply, ReplayEntry, ReplayKind};
+use crate::domain::Batch;
+use crate::limit::{Algorithm, Role};
+
+use super::keys;
+
+/// The decision script (`decide.lua`).
+pub const DECIDE_LUA: &str = include_str!("decide.lua");
+/// The membership script (`members.lua`).
+pub const MEMBERS_LUA: &str = include_str!("members.lua");
+/// The replay script (`replay.lua`).
+pub const REPLAY_LUA: &str = include_str!("replay.lua");
+
+/// SHA1 of the decision script, as Redis knows it (SCRIPT EXISTS).
+pub fn decide_sha() -> String {
+    fred::util::sha1_hash(DECIDE_LUA)
+}
+
+/// SHA1 of the replay script.
+pub fn replay_sha() -> String {
+    fred::util::sha1_hash(REPLAY_LUA)
+}
+
+/// Hits above this are clamped before they reach Lua (whose numbers are
+/// doubles and whose integer formatting stops at 10^14): such a charge is
+/// over any u32 limit anyway.
+pub const MAX_HITS: u64 = 1_000_000_000_000;
+
+/// Replay entries per script call (one call holds one hash slot's keys).
+pub const REPLAY_BATCH: usize = 200;
+
+fn algorithm_code(a: Algorithm) -> u8 {
+    match a {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        Algorithm::SlidingLog => 3,
+        Algorithm::TokenBucket => 4,
+    }
+}
+
+fn role_code(r: Role) -> u8 {
+    match r {
+        Role::Enforce => 0,
+        Role::Shadow => 1,
+        Role::Quota => 2,
+    }
+}
+
+/// What one decision call carries besides the batch.
+#[derive(Clone, Copy, Debug)]
+pub struct DecideCall<'a> {
+    /// This replica's field index.
+    pub index: u64,
+    pub epoch: u64,
+    pub margin_ms: u64,
+    /// `<boot>.<n>`: unique per call and incarnation (sliding-log ids).
+    pub call_id: &'a str,
+    /// (count, window) this replica expects per charge; -1 unknown.
+    pub expected: &'a [(i64, u64)],
+}
+
+/// decide.lua: KEYS[i] the base key of charge i; ARGV 1-5: index, epoch,
+/// never_deny, margin, call id; then 8 per charge: algorithm, limit,
+/// unit_ms, burst, hits (clamped to [`MAX_HITS`]), flags (bit 0 refund,
+/// bits 1-2 role), expected count, expected window.
+pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<String>) {
+    let keys = batch
+        .charges
+        .iter()
+        .map(|c| keys::counter_base(prefix, &c.key))
+        .collect();
+    let mut args = Vec::with_capacity(5 + 8 * batch.charges.len());
+    args.push(call.index.to_string());
+    args.push(call.epoch.to_string());
+    args.push(if batch.never_deny { "1" } else { "0" }.to_string());
+    args.push(call.margin_ms.to_string());
+    args.push(call.call_id.to_string());
+    for (i, c) in batch.charges.iter().enumerate() {
+        args.push(algorithm_code(c.spec.algorithm).to_string());
+        args.push(c.spec.requests_per_unit.to_string());
+        args.push(c.spec.unit.millis().to_string());
+        args.push(c.spec.burst.to_string());
+        args.push(c.hits.min(MAX_HITS).to_string());
+        args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
+        let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
+        args.push(count.to_string());
+        args.push(window.to_string());
+    }
+    (keys, args)
+}
+
+/// A decision reply as the script sent it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecideReply {
+    /// Applied or denied.
+    Decided(RawReply),
+    /// Status -1: this replica's epoch is below a fence on one of the keys;
+    /// nothing was read or written.
+    Fenced,
+}
+
+/// decide.lua's reply: `{status, now_ms, denied, lost}` then 6 per charge:
+/// over, remaining, reset_ms, own, total, delta.
+pub fn decode_decide(reply: &[i64], charges: usize) -> Result<DecideReply, String> {
+    if reply.first() == Some(&-1) {
+        return Ok(DecideReply::Fenced);
+    }
+    if reply.len() != 4 + 6 * charges {
+        return Err(format!(
+            "script reply has {} items, expected {}",
+            reply.len(),
+            4 + 6 * charges
+        ));
+    }
+    let items = reply[4..]
+        .chunks_exact(6)
+        .map(|r| RawItem {
+            over: r[0] == 1,
+            remaining: r[1].max(0) as u64,
+            reset_ms: r[2].max(0) as u64,
+            own: r[3],
+            total: r[4],
+            delta: r[5],
+        })
+        .collect();
+    Ok(DecideReply::Decided(RawReply {
+        now_ms: reply[1].max(0) as u64,
+        denied: reply[2] == 1,
+        lost: reply[3] == 1,
+        items,
+    }))
+}
+
+/// replay.lua: KEYS[i] the base key of entry i (one hash slot per call);
+/// ARGV 1-3: index, epoch, margin; then 7 per entry: kind (1 local, 2
+/// repair), algorithm, unit_ms, window, value, limit, burst. Reply:
+/// `{entries written}`.
+pub fn replay_args(
+    prefix: &str,
+    index: u64,
+    epoch: u64,
+    margin_ms: u64,
+    entries: &[&ReplayEntry],
+) -> (Vec<String>, Vec<String>) {
+    let keys = entries
+        .iter()
+        .map(|e| keys::counter_base(prefix, &e.key))
+        .collect();
+    let mut args = Vec::with_capacity(3 + 7 * entries.len());
+    args.push(index.to_string());
+    args.push(epoch.to_string());
+    args.push(margin_ms.to_string());
+    for e in entries {
+        let kind = match e.kind {
+            ReplayKind::Local => "1",
+            ReplayKind::Repair => "2",
+        };
+        args.push(kind.to_string());
+        args.push(algorithm_code(e.spec.algorithm).to_string());
+        args.push(e.spec.unit.millis().to_string());
+        args.push(e.window.to_string());
+        args.push(e.value.to_string());
+        args.push(e.spec.requests_per_unit.to_string());
+        args.push(e.spec.burst.to_string());
+    }
+    (keys, args)
+}
+
+/// members.lua: KEYS are [`keys::membership`]; ARGV: id, nonce, TTL ms,
+/// "beat" or "leave", the index used before (0 none). Reply:
+/// `{1, index, now_ms, incarnation, live ids…}`, or `{0, other nonce}` when
+/// another live incarnation owns the id.
+pub fn members_args(id: &str, nonce: &str, ttl_ms: u128, action: &str, index: u64) -> Vec<String> {
+    vec![
+        id.to_owned(),
+        nonce.to_owned(),
+        ttl_ms.to_string(),
+        action.to_owned(),
+        index.to_string(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decide_replies_decode_or_say_why_not() {
+        let reply = [1, 5_000, 0, 1, 0, 7, 900, 3, 10, 1];
+        let Ok(DecideReply::Decided(r)) = decode_decide(&reply, 1) else {
+            panic!("decodes");
+        };
+        assert_eq!((r.now_ms, r.denied, r.lost), (5_000, false, true));
+        assert_eq!(
+            r.items,
+            [RawItem {
+                over: false,
+                remaining: 7,
+                reset_ms: 900,
+                own: 3,
+                total: 10,
+                delta: 1
+            }]
+        );
+        assert_eq!(decode_decide(&[-1], 3), Ok(DecideReply::Fenced));
+        assert!(decode_decide(&reply, 2).is_err());
+    }
+}
