@@ -8,12 +8,16 @@
 //! - [`ops`]: operations tooling (deploy templates, the local runner, paced
 //!   load, the failover demo, the benchmark). Nothing below imports it.
 //! - [`app`]: the composition root: settings and rules before any port,
-//!   the engine, the servers, background loops and the shutdown order.
+//!   building the engine, serving, background loops, the shutdown order and
+//!   signal handling.
 //! - [`settings`], [`telemetry`]: typed settings; logs and OTLP traces.
-//! - `grpc`, `http`: the transports (RLS, health, reflection; health, `/json`,
-//!   admin pages, `/metrics`). `metrics` and `status_page` render for them.
-//! - [`limiter`]: the decision layer: rules matching → one batch of charges
-//!   → statuses, overall code and headers.
+//! - `grpc`, `http`: the transports (RLS, health, reflection; health,
+//!   `/json`, `/metrics`, admin pages), glue only. `metrics` renders for
+//!   them.
+//! - [`rls`]: wire ↔ decision conversion both transports share: units,
+//!   codes, validation with size bounds, the response, protojson.
+//! - [`decision`]: rules matching and planning → one batch of charges →
+//!   statuses, overall code and headers.
 //! - [`engine`]: the [`engine::Engine`] trait; in-memory, Redis (the adapter
 //!   over [`redis`]) and resilient engines, the last with its breaker,
 //!   leases, ledger, recovery loop and journal in `engine/resilient/`.
@@ -28,21 +32,23 @@
 pub mod app;
 pub mod cli;
 pub mod clock;
+pub mod decision;
 pub mod domain;
 pub mod engine;
 mod grpc;
 mod http;
 pub mod key;
+#[cfg(test)]
+mod layers;
 pub mod limit;
-pub mod limiter;
 mod metrics;
 pub mod ops;
 pub mod proto;
 pub mod redact;
 pub mod redis;
+mod rls;
 pub mod rules;
 pub mod settings;
-mod status_page;
 pub mod telemetry;
 
 pub use grpc::REPLICA_HEADER;

@@ -84,18 +84,9 @@ async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
             None => None,
         };
         tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
-        leasehold::app::run(prepared, grpc, http, admin, shutdown_signal()).await
+        leasehold::app::run(prepared, grpc, http, admin, leasehold::app::stop_signal()).await
     }
     .await;
     telemetry.shutdown().await;
     result
-}
-
-async fn shutdown_signal() {
-    match cli::Stop::new() {
-        Ok(mut stop) => stop.wait().await,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

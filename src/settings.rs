@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::grpc::Bounds;
-use crate::limiter::DecisionSettings;
+use crate::decision::DecisionSettings;
+use crate::rls::Bounds;
 use crate::rules::LoadOptions;
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -191,6 +191,13 @@ impl Settings {
     }
 
     pub fn validate(&self) -> Result<(), SettingsError> {
+        self.validate_requests()?;
+        self.validate_redis()?;
+        self.validate_process()
+    }
+
+    /// Rules, polling and the request bounds and header names.
+    fn validate_requests(&self) -> Result<(), SettingsError> {
         if self.rules.is_empty() {
             return Err(invalid(
                 "rules",
@@ -227,6 +234,12 @@ impl Settings {
                 return Err(invalid(key, format!("'{v}' is not a valid header name")));
             }
         }
+        Ok(())
+    }
+
+    /// The Redis URL and key prefix, the deadline, breaker, leases and
+    /// membership.
+    fn validate_redis(&self) -> Result<(), SettingsError> {
         if let Some(url) = &self.redis_url {
             if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                 return Err(invalid(
@@ -279,6 +292,11 @@ impl Settings {
                 "must be longer than membership_heartbeat_ms",
             ));
         }
+        Ok(())
+    }
+
+    /// Identity, logging, listeners and trace export.
+    fn validate_process(&self) -> Result<(), SettingsError> {
         if self.replica_id.as_deref().is_some_and(str::is_empty) {
             return Err(invalid("replica_id", "must not be empty"));
         }

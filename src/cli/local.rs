@@ -132,7 +132,7 @@ pub async fn local(args: LocalArgs) -> anyhow::Result<()> {
         LocalCommand::Up(up) => {
             // Signals are caught from before the first process starts, so a
             // stop during startup still stops what was started.
-            let mut stop = super::Stop::new()?;
+            let mut stop = crate::app::Stop::new()?;
             let mut topo = tokio::select! {
                 t = start(&up.topology, Vec::new()) => t?,
                 _ = stop.wait() => anyhow::bail!("interrupted during startup"),
@@ -161,7 +161,7 @@ pub async fn local(args: LocalArgs) -> anyhow::Result<()> {
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let DemoCommand::Failover(f) = args.command;
-    let mut stop = super::Stop::new()?;
+    let mut stop = crate::app::Stop::new()?;
     // Keep every window of the run in Redis so the final comparison can
     // read them all.
     let env = vec![(

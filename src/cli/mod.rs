@@ -41,34 +41,6 @@ pub enum Command {
     Health(local::HealthArgs),
 }
 
-/// SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal went away), caught from
-/// the moment this is created: the handlers stay installed, so a second
-/// signal during an orderly stop is not lost or fatal either.
-pub struct Stop {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-    hup: tokio::signal::unix::Signal,
-}
-
-impl Stop {
-    pub fn new() -> std::io::Result<Stop> {
-        use tokio::signal::unix::{signal, SignalKind};
-        Ok(Stop {
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-            hup: signal(SignalKind::hangup())?,
-        })
-    }
-
-    pub async fn wait(&mut self) {
-        tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
-            _ = self.hup.recv() => {}
-        }
-    }
-}
-
 #[derive(Args, Debug, Default)]
 pub struct ServeArgs {
     /// Rules file or directory (repeatable). LEASEHOLD_RULES takes a comma-separated list.

@@ -2,10 +2,8 @@
 
 use clap::Args;
 
-use crate::grpc::validate::unit_from_proto;
 use crate::proto::common::rate_limit_descriptor::Entry;
 use crate::proto::common::RateLimitDescriptor;
-use crate::proto::rls::rate_limit_response::Code;
 use crate::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use crate::proto::rls::{RateLimitRequest, RateLimitResponse};
 
@@ -72,22 +70,17 @@ pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn code_name(code: i32) -> &'static str {
-    match Code::try_from(code) {
-        Ok(Code::Ok) => "OK",
-        Ok(Code::OverLimit) => "OVER_LIMIT",
-        _ => "UNKNOWN",
-    }
-}
-
 /// Human-readable decision.
 pub fn render(descriptors: &[String], r: &RateLimitResponse) -> String {
-    let mut out = format!("overall: {}\n", code_name(r.overall_code));
+    let mut out = format!("overall: {}\n", crate::rls::wire_code_name(r.overall_code));
     for (i, s) in r.statuses.iter().enumerate() {
         let what = descriptors.get(i).map(String::as_str).unwrap_or("?");
-        out.push_str(&format!("  [{i}] {what}: {}", code_name(s.code)));
+        out.push_str(&format!(
+            "  [{i}] {what}: {}",
+            crate::rls::wire_code_name(s.code)
+        ));
         if let Some(l) = &s.current_limit {
-            let unit = unit_from_proto(l.unit)
+            let unit = crate::rls::unit_from_wire(l.unit)
                 .map(|u| u.as_str())
                 .unwrap_or("unknown");
             out.push_str(&format!(

@@ -27,6 +27,22 @@ pub enum EngineStatus {
     Resilient(Box<ResilientStatus>),
 }
 
+impl EngineStatus {
+    /// The same facts with every descriptor value hashed
+    /// ([`crate::redact`]), for admin pages with `redact_values` on.
+    pub fn redacted(self) -> Self {
+        match self {
+            EngineStatus::Resilient(mut r) => {
+                for lease in &mut r.leases {
+                    lease.key = crate::redact::counter_key(&lease.key);
+                }
+                EngineStatus::Resilient(r)
+            }
+            other => other,
+        }
+    }
+}
+
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
     /// Evaluates and (unless denied) applies a batch atomically.

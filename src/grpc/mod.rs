@@ -1,6 +1,7 @@
-//! The gRPC surface: RateLimitService (proto ↔ domain translation only),
-//! grpc.health.v1 and reflection (v1 and v1alpha). The only module that knows
-//! tonic types besides the client commands.
+//! The gRPC surface: RateLimitService (the tonic glue around [`crate::rls`],
+//! which converts messages to and from decisions), grpc.health.v1 and
+//! reflection (v1 and v1alpha). The only server module that knows tonic
+//! types besides the composition root.
 //!
 //! Status codes: bad input is INVALID_ARGUMENT with a message. An engine
 //! failure is UNAVAILABLE; with Envoy's `failure_mode_deny: false` (its
@@ -8,25 +9,18 @@
 //! resilient engine decides locally instead of failing, so in normal
 //! operation no Redis fault reaches this layer.
 
-pub mod validate;
-
 use std::sync::Arc;
-use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::limiter::{self, Code, Limiter};
-use crate::proto::envoy::config::core::v3::HeaderValue;
-use crate::proto::rls::rate_limit_response::{
-    rate_limit::Unit as ProtoUnit, Code as ProtoCode, DescriptorStatus, RateLimit,
-};
+use crate::decision::Limiter;
+use crate::proto::rls::rate_limit_response::Code as ProtoCode;
 use crate::proto::rls::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
 use crate::proto::rls::{RateLimitRequest, RateLimitResponse};
-
-pub use validate::Bounds;
+use crate::rls::{self, Bounds};
 
 /// The health service names leasehold answers for: the overall server (""),
 /// the reference's name, and the RLS service itself.
@@ -120,7 +114,7 @@ impl RlsService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let req = validate::to_domain(request.into_inner(), &self.bounds).map_err(|e| {
+        let req = rls::to_domain(request.into_inner(), &self.bounds).map_err(|e| {
             if let Some(m) = self.limiter.metrics() {
                 m.request("invalid");
             }
@@ -131,76 +125,16 @@ impl RlsService {
             .decide(&req)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        let mut proto = to_proto(decision);
+        let mut proto = rls::to_response(decision);
         if let Some(id) = &self.replica_http_header {
-            proto.response_headers_to_add.push(HeaderValue {
-                key: REPLICA_HEADER.to_string(),
-                value: id.clone(),
-                raw_value: Vec::new(),
-            });
+            proto
+                .response_headers_to_add
+                .push(rls::header(REPLICA_HEADER.to_string(), id.clone()));
         }
         let mut response = Response::new(proto);
         if let Some(id) = &self.replica {
             response.metadata_mut().insert(REPLICA_HEADER, id.clone());
         }
         Ok(response)
-    }
-}
-
-pub fn proto_unit(unit: crate::limit::Unit) -> ProtoUnit {
-    use crate::limit::Unit;
-    match unit {
-        Unit::Second => ProtoUnit::Second,
-        Unit::Minute => ProtoUnit::Minute,
-        Unit::Hour => ProtoUnit::Hour,
-        Unit::Day => ProtoUnit::Day,
-        Unit::Week => ProtoUnit::Week,
-        Unit::Month => ProtoUnit::Month,
-        Unit::Year => ProtoUnit::Year,
-    }
-}
-
-fn proto_code(code: Code) -> ProtoCode {
-    match code {
-        Code::Ok => ProtoCode::Ok,
-        Code::OverLimit => ProtoCode::OverLimit,
-    }
-}
-
-/// Domain decision → RateLimitResponse.
-pub fn to_proto(decision: limiter::Decision) -> RateLimitResponse {
-    RateLimitResponse {
-        overall_code: proto_code(decision.overall) as i32,
-        statuses: decision
-            .statuses
-            .into_iter()
-            .map(|s| DescriptorStatus {
-                code: proto_code(s.code) as i32,
-                current_limit: s.current_limit.map(|l| RateLimit {
-                    name: l.name,
-                    requests_per_unit: l.requests_per_unit,
-                    unit: proto_unit(l.unit) as i32,
-                }),
-                limit_remaining: s.limit_remaining,
-                duration_until_reset: s.reset_ms.map(|ms| {
-                    let d = Duration::from_millis(ms);
-                    prost_types::Duration {
-                        seconds: d.as_secs() as i64,
-                        nanos: d.subsec_nanos() as i32,
-                    }
-                }),
-                quota: None,
-            })
-            .collect(),
-        response_headers_to_add: decision
-            .headers
-            .into_iter()
-            .map(|(key, value)| HeaderValue {
-                key,
-                value,
-                raw_value: Vec::new(),
-            })
-            .collect(),
-        ..Default::default()
     }
 }

@@ -102,8 +102,13 @@ pub fn evaluate(
     hits: u64,
     refund: bool,
 ) -> (Outcome, State) {
-    let limit = u64::from(spec.requests_per_unit);
-    let unit_ms = spec.unit.millis();
+    let charge = Charge {
+        limit: u64::from(spec.requests_per_unit),
+        unit_ms: spec.unit.millis(),
+        now_ms,
+        hits,
+        refund,
+    };
     match (spec.algorithm, state) {
         (
             Algorithm::FixedWindow,
@@ -111,31 +116,7 @@ pub fn evaluate(
                 window_start_ms,
                 count,
             },
-        ) => {
-            let start = window_start(now_ms, unit_ms);
-            let count = if *window_start_ms == start { *count } else { 0 };
-            let after = if refund {
-                count.saturating_sub(hits)
-            } else {
-                count.saturating_add(hits)
-            };
-            let over = !refund && after > limit;
-            let end = start + unit_ms;
-            (
-                Outcome {
-                    over,
-                    remaining_now: limit.saturating_sub(count),
-                    remaining_after: if over { 0 } else { limit.saturating_sub(after) },
-                    reset_ms: end - now_ms,
-                    expires_at_ms: end,
-                    delta: signed(after, count),
-                },
-                State::Fixed {
-                    window_start_ms: start,
-                    count: after,
-                },
-            )
-        }
+        ) => fixed(&charge, *window_start_ms, *count),
         (
             Algorithm::SlidingWindow,
             State::Sliding {
@@ -143,130 +124,200 @@ pub fn evaluate(
                 current,
                 previous,
             },
-        ) => {
-            let start = window_start(now_ms, unit_ms);
-            let (current, previous) = if *window_start_ms == start {
-                (*current, *previous)
-            } else if *window_start_ms + unit_ms == start {
-                (0, *current)
-            } else {
-                (0, 0)
-            };
-            let weighted = sliding_weight(previous, now_ms - start, unit_ms);
-            let estimate = weighted.saturating_add(current);
-            let (current_after, estimate_after) = if refund {
-                let c = current.saturating_sub(hits);
-                (c, weighted.saturating_add(c))
-            } else {
-                (current.saturating_add(hits), estimate.saturating_add(hits))
-            };
-            let over = !refund && estimate_after > limit;
-            let end = start + unit_ms;
-            (
-                Outcome {
-                    over,
-                    remaining_now: limit.saturating_sub(estimate),
-                    remaining_after: if over {
-                        0
-                    } else {
-                        limit.saturating_sub(estimate_after)
-                    },
-                    reset_ms: end - now_ms,
-                    // The current count still weighs on the next window.
-                    expires_at_ms: end + unit_ms,
-                    delta: signed(current_after, current),
-                },
-                State::Sliding {
-                    window_start_ms: start,
-                    current: current_after,
-                    previous,
-                },
-            )
-        }
-        (Algorithm::SlidingLog, State::Log { entries }) => {
-            let horizon = now_ms.saturating_sub(unit_ms);
-            let mut entries: VecDeque<(u64, u64)> = entries
-                .iter()
-                .copied()
-                .filter(|&(at, _)| at > horizon)
-                .collect();
-            let count = entries.iter().fold(0u64, |a, &(_, h)| a.saturating_add(h));
-            let after;
-            if refund {
-                after = count.saturating_sub(hits);
-                // Refund the newest grants first: they are the ones a
-                // cancelled request most likely made.
-                let mut left = hits;
-                while left > 0 {
-                    let Some(last) = entries.back_mut() else {
-                        break;
-                    };
-                    if last.1 > left {
-                        last.1 -= left;
-                        left = 0;
-                    } else {
-                        left -= last.1;
-                        entries.pop_back();
-                    }
-                }
-            } else {
-                after = count.saturating_add(hits);
-                if hits > 0 {
-                    match entries.back_mut() {
-                        // Same millisecond: coalesce so the log grows with
-                        // time, not with traffic.
-                        Some(last) if last.0 == now_ms => last.1 = last.1.saturating_add(hits),
-                        _ => entries.push_back((now_ms, hits)),
-                    }
-                }
-            }
-            let over = !refund && after > limit;
-            let oldest = entries.front().map(|&(at, _)| at).unwrap_or(now_ms);
-            let newest = entries.back().map(|&(at, _)| at).unwrap_or(now_ms);
-            (
-                Outcome {
-                    over,
-                    remaining_now: limit.saturating_sub(count),
-                    remaining_after: if over { 0 } else { limit.saturating_sub(after) },
-                    reset_ms: (oldest + unit_ms).saturating_sub(now_ms).max(1),
-                    expires_at_ms: newest + unit_ms,
-                    delta: signed(after, count),
-                },
-                State::Log { entries },
-            )
-        }
+        ) => sliding(&charge, *window_start_ms, *current, *previous),
+        (Algorithm::SlidingLog, State::Log { entries }) => log(&charge, entries),
         (Algorithm::TokenBucket, State::Bucket { tokens, updated_ms }) => {
-            let capacity = f64::from(spec.burst);
-            let tokens_now = refill(*tokens, *updated_ms, now_ms, spec, capacity);
-            let hits_f = hits as f64;
-            let (over, tokens_after) = if refund {
-                (false, (tokens_now + hits_f).min(capacity))
-            } else {
-                let over = hits_f > tokens_now;
-                // Charged past empty (shadow) clamps at zero rather than
-                // going into debt, so a shadow rule cannot starve a key.
-                (over, (tokens_now - hits_f).max(0.0))
-            };
-            let full_in = time_to_full(tokens_after, capacity, spec);
-            (
-                Outcome {
-                    over,
-                    remaining_now: tokens_now.floor() as u64,
-                    remaining_after: if over { 0 } else { tokens_after.floor() as u64 },
-                    reset_ms: full_in.max(1),
-                    expires_at_ms: now_ms + full_in,
-                    delta: (tokens_now - tokens_after).round() as i64,
-                },
-                State::Bucket {
-                    tokens: tokens_after,
-                    updated_ms: now_ms,
-                },
-            )
+            bucket(spec, &charge, *tokens, *updated_ms)
         }
         // A state of another algorithm cannot happen (the algorithm is in the
         // key); treat it as fresh rather than panic.
         _ => evaluate(spec, &State::fresh(spec, now_ms), now_ms, hits, refund),
     }
+}
+
+/// One evaluation's inputs, shared by the algorithms.
+struct Charge {
+    limit: u64,
+    unit_ms: u64,
+    now_ms: u64,
+    hits: u64,
+    refund: bool,
+}
+
+fn fixed(c: &Charge, window_start_ms: u64, count: u64) -> (Outcome, State) {
+    let Charge {
+        limit,
+        unit_ms,
+        now_ms,
+        hits,
+        refund,
+    } = *c;
+    let start = window_start(now_ms, unit_ms);
+    let count = if window_start_ms == start { count } else { 0 };
+    let after = if refund {
+        count.saturating_sub(hits)
+    } else {
+        count.saturating_add(hits)
+    };
+    let over = !refund && after > limit;
+    let end = start + unit_ms;
+    (
+        Outcome {
+            over,
+            remaining_now: limit.saturating_sub(count),
+            remaining_after: if over { 0 } else { limit.saturating_sub(after) },
+            reset_ms: end - now_ms,
+            expires_at_ms: end,
+            delta: signed(after, count),
+        },
+        State::Fixed {
+            window_start_ms: start,
+            count: after,
+        },
+    )
+}
+
+fn sliding(c: &Charge, window_start_ms: u64, current: u64, previous: u64) -> (Outcome, State) {
+    let Charge {
+        limit,
+        unit_ms,
+        now_ms,
+        hits,
+        refund,
+    } = *c;
+    let start = window_start(now_ms, unit_ms);
+    let (current, previous) = if window_start_ms == start {
+        (current, previous)
+    } else if window_start_ms + unit_ms == start {
+        (0, current)
+    } else {
+        (0, 0)
+    };
+    let weighted = sliding_weight(previous, now_ms - start, unit_ms);
+    let estimate = weighted.saturating_add(current);
+    let (current_after, estimate_after) = if refund {
+        let c = current.saturating_sub(hits);
+        (c, weighted.saturating_add(c))
+    } else {
+        (current.saturating_add(hits), estimate.saturating_add(hits))
+    };
+    let over = !refund && estimate_after > limit;
+    let end = start + unit_ms;
+    (
+        Outcome {
+            over,
+            remaining_now: limit.saturating_sub(estimate),
+            remaining_after: if over {
+                0
+            } else {
+                limit.saturating_sub(estimate_after)
+            },
+            reset_ms: end - now_ms,
+            // The current count still weighs on the next window.
+            expires_at_ms: end + unit_ms,
+            delta: signed(current_after, current),
+        },
+        State::Sliding {
+            window_start_ms: start,
+            current: current_after,
+            previous,
+        },
+    )
+}
+
+fn log(c: &Charge, entries: &VecDeque<(u64, u64)>) -> (Outcome, State) {
+    let Charge {
+        limit,
+        unit_ms,
+        now_ms,
+        hits,
+        refund,
+    } = *c;
+    let horizon = now_ms.saturating_sub(unit_ms);
+    let mut entries: VecDeque<(u64, u64)> = entries
+        .iter()
+        .copied()
+        .filter(|&(at, _)| at > horizon)
+        .collect();
+    let count = entries.iter().fold(0u64, |a, &(_, h)| a.saturating_add(h));
+    let after;
+    if refund {
+        after = count.saturating_sub(hits);
+        // Refund the newest grants first: they are the ones a
+        // cancelled request most likely made.
+        let mut left = hits;
+        while left > 0 {
+            let Some(last) = entries.back_mut() else {
+                break;
+            };
+            if last.1 > left {
+                last.1 -= left;
+                left = 0;
+            } else {
+                left -= last.1;
+                entries.pop_back();
+            }
+        }
+    } else {
+        after = count.saturating_add(hits);
+        if hits > 0 {
+            match entries.back_mut() {
+                // Same millisecond: coalesce so the log grows with
+                // time, not with traffic.
+                Some(last) if last.0 == now_ms => last.1 = last.1.saturating_add(hits),
+                _ => entries.push_back((now_ms, hits)),
+            }
+        }
+    }
+    let over = !refund && after > limit;
+    let oldest = entries.front().map(|&(at, _)| at).unwrap_or(now_ms);
+    let newest = entries.back().map(|&(at, _)| at).unwrap_or(now_ms);
+    (
+        Outcome {
+            over,
+            remaining_now: limit.saturating_sub(count),
+            remaining_after: if over { 0 } else { limit.saturating_sub(after) },
+            reset_ms: (oldest + unit_ms).saturating_sub(now_ms).max(1),
+            expires_at_ms: newest + unit_ms,
+            delta: signed(after, count),
+        },
+        State::Log { entries },
+    )
+}
+
+fn bucket(spec: &LimitSpec, c: &Charge, tokens: f64, updated_ms: u64) -> (Outcome, State) {
+    let Charge {
+        now_ms,
+        hits,
+        refund,
+        ..
+    } = *c;
+    let capacity = f64::from(spec.burst);
+    let tokens_now = refill(tokens, updated_ms, now_ms, spec, capacity);
+    let hits_f = hits as f64;
+    let (over, tokens_after) = if refund {
+        (false, (tokens_now + hits_f).min(capacity))
+    } else {
+        let over = hits_f > tokens_now;
+        // Charged past empty (shadow) clamps at zero rather than
+        // going into debt, so a shadow rule cannot starve a key.
+        (over, (tokens_now - hits_f).max(0.0))
+    };
+    let full_in = time_to_full(tokens_after, capacity, spec);
+    (
+        Outcome {
+            over,
+            remaining_now: tokens_now.floor() as u64,
+            remaining_after: if over { 0 } else { tokens_after.floor() as u64 },
+            reset_ms: full_in.max(1),
+            expires_at_ms: now_ms + full_in,
+            delta: (tokens_now - tokens_after).round() as i64,
+        },
+        State::Bucket {
+            tokens: tokens_after,
+            updated_ms: now_ms,
+        },
+    )
 }
 
 /// The previous window's count weighted by how much of it the sliding
@@ -299,160 +350,5 @@ fn time_to_full(tokens: f64, capacity: f64, spec: &LimitSpec) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limit::Unit;
-
-    fn spec(algorithm: Algorithm, rpu: u32, unit: Unit) -> LimitSpec {
-        LimitSpec {
-            requests_per_unit: rpu,
-            unit,
-            algorithm,
-            burst: rpu,
-        }
-    }
-
-    /// Charges `hits` and commits when not over, like an engine would.
-    fn charge(spec: &LimitSpec, state: &mut State, now: u64, hits: u64) -> Outcome {
-        let (out, next) = evaluate(spec, state, now, hits, false);
-        if !out.over {
-            *state = next;
-        }
-        out
-    }
-
-    const T0: u64 = 1_700_000_000_000; // a minute boundary: 1_700_000_000 % 60 == 20
-
-    #[test]
-    fn fixed_window_counts_to_limit_then_resets_at_boundary() {
-        let s = spec(Algorithm::FixedWindow, 3, Unit::Second);
-        let now = 5_000_250;
-        let mut st = State::fresh(&s, now);
-        let rem: Vec<_> = (0..4)
-            .map(|_| charge(&s, &mut st, now, 1))
-            .map(|o| (o.over, o.remaining_after))
-            .collect();
-        assert_eq!(rem, vec![(false, 2), (false, 1), (false, 0), (true, 0)]);
-        let o = charge(&s, &mut st, now, 0);
-        assert!(!o.over, "check-only at the limit is OK with 0 remaining");
-        assert_eq!(o.reset_ms, 750);
-        // Next window: fresh quota.
-        let o = charge(&s, &mut st, 5_001_000, 1);
-        assert_eq!((o.over, o.remaining_after, o.reset_ms), (false, 2, 1_000));
-    }
-
-    #[test]
-    fn fixed_window_refund_clamps_at_zero_and_is_never_over() {
-        let s = spec(Algorithm::FixedWindow, 2, Unit::Minute);
-        let mut st = State::fresh(&s, T0);
-        charge(&s, &mut st, T0, 2);
-        let (o, next) = evaluate(&s, &st, T0, 5, true);
-        assert!(!o.over);
-        assert_eq!(
-            next,
-            State::Fixed {
-                window_start_ms: window_start(T0, 60_000),
-                count: 0
-            }
-        );
-        assert_eq!(o.remaining_after, 2);
-    }
-
-    #[test]
-    fn huge_hits_saturate_and_are_over() {
-        for a in Algorithm::ALL {
-            let s = spec(a, 10, Unit::Hour);
-            let st = State::fresh(&s, T0);
-            let (o, _) = evaluate(&s, &st, T0, u64::MAX, false);
-            assert!(o.over, "{a}");
-            assert_eq!(o.remaining_now, 10, "{a}");
-            let (o, _) = evaluate(&s, &st, T0, u64::from(u32::MAX), false);
-            assert!(o.over, "{a}");
-        }
-    }
-
-    #[test]
-    fn sliding_window_weights_previous_window() {
-        let s = spec(Algorithm::SlidingWindow, 10, Unit::Second);
-        let mut st = State::fresh(&s, 1_000);
-        assert_eq!(charge(&s, &mut st, 1_000, 10).remaining_after, 0);
-        // 250 ms into the next window 75% of the previous 10 still counts.
-        let o = charge(&s, &mut st, 2_250, 0);
-        assert_eq!(o.remaining_now, 3);
-        assert!(charge(&s, &mut st, 2_250, 4).over);
-        assert!(!charge(&s, &mut st, 2_250, 3).over);
-        // Two windows later everything has slid out.
-        let o = charge(&s, &mut st, 4_100, 0);
-        assert_eq!(o.remaining_now, 10);
-    }
-
-    #[test]
-    fn sliding_log_releases_grants_one_unit_later() {
-        let s = spec(Algorithm::SlidingLog, 3, Unit::Second);
-        let mut st = State::fresh(&s, 0);
-        charge(&s, &mut st, 10_000, 1);
-        charge(&s, &mut st, 10_400, 2);
-        let o = charge(&s, &mut st, 10_900, 1);
-        assert!(o.over);
-        assert_eq!(o.reset_ms, 100, "oldest grant leaves at 11_000");
-        assert!(!charge(&s, &mut st, 11_001, 1).over);
-        assert!(charge(&s, &mut st, 11_001, 1).over);
-        // Refund takes the newest grant back.
-        let (o, next) = evaluate(&s, &st, 11_002, 1, true);
-        assert!(!o.over);
-        st = next;
-        assert!(!charge(&s, &mut st, 11_002, 1).over);
-    }
-
-    #[test]
-    fn sliding_log_coalesces_same_millisecond() {
-        let s = spec(Algorithm::SlidingLog, 1_000, Unit::Minute);
-        let mut st = State::fresh(&s, T0);
-        for _ in 0..100 {
-            charge(&s, &mut st, T0, 1);
-        }
-        match st {
-            State::Log { entries } => assert_eq!(entries, VecDeque::from(vec![(T0, 100)])),
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-
-    #[test]
-    fn token_bucket_bursts_then_refills() {
-        let s = LimitSpec {
-            requests_per_unit: 10,
-            unit: Unit::Second,
-            algorithm: Algorithm::TokenBucket,
-            burst: 5,
-        };
-        let mut st = State::fresh(&s, T0);
-        for i in 0..5 {
-            assert_eq!(charge(&s, &mut st, T0, 1).remaining_after, 4 - i);
-        }
-        let o = charge(&s, &mut st, T0, 1);
-        assert!(o.over);
-        assert_eq!(o.reset_ms, 500, "5 tokens at 10/s");
-        // 100 ms refills exactly one token.
-        assert!(!charge(&s, &mut st, T0 + 100, 1).over);
-        assert!(charge(&s, &mut st, T0 + 100, 1).over);
-        // Refund never exceeds the burst.
-        let (_, next) = evaluate(&s, &st, T0 + 100, 100, true);
-        assert_eq!(
-            next,
-            State::Bucket {
-                tokens: 5.0,
-                updated_ms: T0 + 100
-            }
-        );
-    }
-
-    #[test]
-    fn zero_limit_bans_every_algorithm() {
-        for a in Algorithm::ALL {
-            let s = spec(a, 0, Unit::Minute);
-            let st = State::fresh(&s, T0);
-            let (o, _) = evaluate(&s, &st, T0, 1, false);
-            assert!(o.over, "{a}");
-        }
-    }
-}
+#[path = "algorithms_tests.rs"]
+mod tests;

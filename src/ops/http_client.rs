@@ -1,10 +1,11 @@
 //! The tools' clients: a small keep-alive HTTP/1.1 client (Envoy, status
-//! pages, metrics) and a gRPC health probe.
+//! pages, metrics, `/json`), a blocking form of it for synchronous callers
+//! (the test suites), and a gRPC health probe.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -13,7 +14,7 @@ use tonic::transport::Channel;
 /// A small HTTP/1.1 client with keep-alive.
 #[derive(Clone)]
 pub struct HttpClient {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: Client<HttpConnector, Full<Bytes>>,
 }
 
 /// What an HTTP call returned.
@@ -51,11 +52,31 @@ impl HttpClient {
 
     /// GET with headers, bounded by a 2 s timeout.
     pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> anyhow::Result<HttpReply> {
-        let mut req = hyper::Request::get(url);
+        self.request("GET", url, headers, "", Duration::from_secs(2))
+            .await
+    }
+
+    /// Any method; a non-empty body is sent as JSON unless `headers` set a
+    /// content type. The whole call is bounded by `limit`.
+    pub async fn request(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+        limit: Duration,
+    ) -> anyhow::Result<HttpReply> {
+        let mut req = hyper::Request::builder().method(method).uri(url);
+        let typed = headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
+        if !body.is_empty() && !typed {
+            req = req.header("content-type", "application/json");
+        }
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let req = req.body(Empty::new())?;
+        let req = req.body(Full::new(Bytes::from(body.to_owned())))?;
         let call = async {
             let resp = self.client.request(req).await?;
             let status = resp.status().as_u16();
@@ -76,10 +97,32 @@ impl HttpClient {
                 body: String::from_utf8_lossy(&body).into_owned(),
             })
         };
-        tokio::time::timeout(Duration::from_secs(2), call)
+        tokio::time::timeout(limit, call)
             .await
-            .map_err(|_| anyhow::anyhow!("GET {url}: timed out"))?
+            .map_err(|_| anyhow::anyhow!("{method} {url}: timed out"))?
     }
+}
+
+/// One call from synchronous code: its own current-thread runtime on a
+/// scoped thread, so it works inside an async runtime as well as outside.
+pub fn blocking_request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+    limit: Duration,
+) -> anyhow::Result<HttpReply> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                runtime.block_on(HttpClient::new().request(method, url, headers, body, limit))
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("{method} {url}: the client thread panicked"))?
+    })
 }
 
 /// gRPC health answers SERVING for the overall server at `uri`.

@@ -8,10 +8,15 @@
 //! Unlike the reference, keys and values are compared as a pair, not as the
 //! string `key_value`, so `("a_b","c")` and `("a","b_c")` never alias.
 
+mod fields;
 mod load;
+mod rate_limit;
+mod reload;
+mod tree;
 mod yaml;
 
 pub use load::{fingerprint, load_paths, LoadOptions, RuleError, RuleErrors};
+pub use reload::ReloadStatus;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

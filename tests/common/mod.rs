@@ -1,104 +1,41 @@
-//! Shared test support: free ports, required external commands (missing ones
-//! fail loudly), child processes that are always stopped by pid, a tiny
-//! HTTP/1.1 client, and a leasehold server started from the built binary.
+//! Shared test support on top of the ops tooling's own helpers
+//! (`leasehold::ops::process` for processes owned by pid and programs on
+//! PATH, `leasehold::ops::http_client` for HTTP): required commands fail
+//! loudly, a leasehold server started from the built binary, a real
+//! redis-server on a free port, and request builders.
 #![allow(dead_code)]
 
 pub mod proxy;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use leasehold::ops::http_client::{blocking_request, HttpReply};
+pub use leasehold::ops::process::Process as Proc;
 use leasehold::proto::common::rate_limit_descriptor::Entry;
 use leasehold::proto::common::RateLimitDescriptor;
 use leasehold::proto::rls::RateLimitRequest;
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind a free loopback port")
+    leasehold::ops::process::free_port().expect("bind a free loopback port")
 }
 
 /// Path of an external command the test needs; panics with the install hint
 /// when it is missing, so a test never skips silently.
 pub fn require(cmd: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    for dir in std::env::split_paths(&path) {
-        let candidate = dir.join(cmd);
-        if candidate.is_file() {
-            return candidate;
-        }
-    }
-    panic!("required command `{cmd}` is not on PATH: run the README's test command (tests/run.sh), which installs it");
+    leasehold::ops::process::find_program(cmd).unwrap_or_else(|e| {
+        panic!("{e}: run the README's test command (tests/run.sh), which installs it")
+    })
 }
 
-/// A child process stopped (SIGKILL by pid) and reaped when dropped.
-pub struct Proc {
-    pub name: String,
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl Proc {
-    pub fn spawn(name: &str, cmd: &mut Command, log_dir: &Path) -> Proc {
-        let log = log_dir.join(format!("{name}.log"));
-        let out = std::fs::File::create(&log).expect("create log file");
-        let err = out.try_clone().expect("clone log file");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err))
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        Proc {
-            name: name.into(),
-            child,
-            log,
-        }
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Sends a signal by pid.
-    pub fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(self.pid().to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{sig} {}", self.pid());
-    }
-
-    /// Waits for exit up to `limit`; None when still running.
-    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-        }
-        let _ = self.child.wait();
-    }
+/// Starts `cmd` as `name`, its output in `<log_dir>/<name>.log`; the
+/// process is killed by pid when the returned value drops.
+pub fn spawn(name: &str, cmd: &mut Command, log_dir: &Path) -> Proc {
+    Proc::spawn(name, cmd, &log_dir.join(format!("{name}.log")))
+        .unwrap_or_else(|e| panic!("spawn {name}: {e:#}"))
 }
 
 /// Polls `check` every 50 ms until it returns true or `limit` passes.
@@ -113,24 +50,9 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     false
 }
 
-/// A minimal HTTP/1.1 response.
-#[derive(Debug)]
-pub struct HttpResponse {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: String,
-}
+pub type HttpResponse = HttpReply;
 
-impl HttpResponse {
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close`.
+/// One HTTP/1.1 request, bounded by 10 s.
 pub fn http(
     method: &str,
     addr: SocketAddr,
@@ -138,63 +60,9 @@ pub fn http(
     headers: &[(&str, &str)],
     body: &str,
 ) -> std::io::Result<HttpResponse> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if !body.is_empty() {
-        req.push_str("Content-Type: application/json\r\n");
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    stream.write_all(req.as_bytes())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad response: {text}")))?;
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect::<Vec<_>>();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Ok(HttpResponse {
-        status,
-        headers,
-        body,
-    })
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+    let url = format!("http://{addr}{path}");
+    blocking_request(method, &url, headers, body, Duration::from_secs(10))
+        .map_err(|e| std::io::Error::other(format!("{e:#}")))
 }
 
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<HttpResponse> {
@@ -236,9 +104,9 @@ impl Leasehold {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut proc = Proc::spawn(name, &mut cmd, log_dir);
+        let mut proc = spawn(name, &mut cmd, log_dir);
         let ready = wait_until(Duration::from_secs(20), || {
-            if let Ok(Some(status)) = proc.child.try_wait() {
+            if let Some(status) = proc.try_wait() {
                 panic!("{name} exited early ({status}):\n{}", proc.log_text());
             }
             get(http, "/readyz")
@@ -316,7 +184,7 @@ impl RedisServer {
         .arg("--dir")
         .arg(dir)
         .args(extra);
-        Proc::spawn(name, &mut cmd, dir)
+        spawn(name, &mut cmd, dir)
     }
 
     fn wait_ready(&self) {
@@ -362,7 +230,7 @@ impl RedisServer {
 
     /// SIGKILL, and wait until it is gone.
     pub fn kill(&mut self) {
-        self.proc.signal("KILL");
+        self.proc.signal("KILL").expect("kill redis-server");
         let _ = self.proc.wait_exit(Duration::from_secs(5));
     }
 

@@ -1,7 +1,7 @@
 //! The demo's verdict: per-window admissions, client errors, fail-open and
 //! Redis's counts turned into the [`Report`] the checks are read from.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Check, ReplicaView, Report, Second, LIMIT, UNIT_MS};
 use crate::ops::load::{Sample, Seen};
@@ -14,9 +14,48 @@ pub(super) fn judge(
     kill_ms: u64,
     restart_ms: u64,
 ) -> Report {
-    let mut seconds: BTreeMap<u64, Second> = BTreeMap::new();
     let first = start_ms / UNIT_MS * UNIT_MS;
-    let mut replicas_seen = std::collections::BTreeSet::new();
+    let (mut seconds, replicas_seen) = tally(&samples, first);
+    for (w, s) in seconds.iter_mut() {
+        s.redis_up = w + UNIT_MS <= kill_ms || *w >= restart_ms;
+        s.phase = phase(*w, kill_ms, restart_ms).into();
+        if let Some(v) = views.get(w) {
+            s.redis_decisions = v.iter().map(|r| r.redis_decisions).sum();
+            s.local_decisions = v.iter().map(|r| r.local_decisions).sum();
+            s.replicas = v.clone();
+        }
+        s.redis_count = redis.get(w).copied();
+    }
+    // The first and last windows are partly outside the load.
+    let last = seconds.keys().next_back().copied();
+    let judged: Vec<&Second> = seconds
+        .values()
+        .filter(|s| s.window_ms > first && Some(s.window_ms) != last)
+        .collect();
+    let mut checks = window_checks(&judged);
+    checks.extend(client_checks(&samples));
+    let total_admitted = samples.iter().filter(|s| s.seen == Seen::Admitted).count() as u64;
+    let total_redis: u64 = seconds.keys().filter_map(|w| redis.get(w)).sum();
+    checks.push(redis_check(&seconds, total_redis, total_admitted));
+    let pass = checks.iter().all(|c| c.pass);
+    Report {
+        limit: LIMIT,
+        kill_ms,
+        restart_ms,
+        seconds: seconds.into_values().collect(),
+        checks,
+        pass,
+        total_admitted,
+        total_redis,
+        replicas_seen: replicas_seen.into_iter().collect(),
+        samples,
+    }
+}
+
+/// Every sample counted into the window the server reported for it.
+fn tally(samples: &[Sample], first: u64) -> (BTreeMap<u64, Second>, BTreeSet<String>) {
+    let mut seconds: BTreeMap<u64, Second> = BTreeMap::new();
+    let mut replicas_seen = BTreeSet::new();
     let blank = |w: u64| Second {
         window_ms: w,
         t: w.saturating_sub(first) / UNIT_MS,
@@ -33,7 +72,7 @@ pub(super) fn judge(
         phase: String::new(),
         redis_count: None,
     };
-    for s in &samples {
+    for s in samples {
         let (w, certain) = s.window(UNIT_MS);
         let e = seconds.entry(w).or_insert_with(|| blank(w));
         match s.seen {
@@ -53,50 +92,42 @@ pub(super) fn judge(
             replicas_seen.insert(r.clone());
         }
     }
-    // Breaker detection takes up to the deadline plus a probe interval; a
-    // window is "outage" when Redis was down for all of it and at least one
-    // second had passed since the kill.
-    for (w, s) in seconds.iter_mut() {
-        let end = w + UNIT_MS;
-        s.redis_up = end <= kill_ms || *w >= restart_ms;
-        s.phase = if end <= kill_ms {
-            "before".into()
-        } else if *w >= kill_ms + 1000 && end <= restart_ms {
-            "outage".into()
-        } else if *w < restart_ms + 3000 {
-            "transition".into()
-        } else {
-            "after".into()
-        };
-        if let Some(v) = views.get(w) {
-            s.redis_decisions = v.iter().map(|r| r.redis_decisions).sum();
-            s.local_decisions = v.iter().map(|r| r.local_decisions).sum();
-            s.replicas = v.clone();
-        }
-        s.redis_count = redis.get(w).copied();
+    (seconds, replicas_seen)
+}
+
+/// Breaker detection takes up to the deadline plus a probe interval; a
+/// window is "outage" when Redis was down for all of it and at least one
+/// second had passed since the kill.
+fn phase(w: u64, kill_ms: u64, restart_ms: u64) -> &'static str {
+    let end = w + UNIT_MS;
+    if end <= kill_ms {
+        "before"
+    } else if w >= kill_ms + 1000 && end <= restart_ms {
+        "outage"
+    } else if w < restart_ms + 3000 {
+        "transition"
+    } else {
+        "after"
     }
-    // The first and last windows are partly outside the load.
-    let last = seconds.keys().next_back().copied();
-    let judged: Vec<&Second> = seconds
-        .values()
-        .filter(|s| s.window_ms > first && Some(s.window_ms) != last)
-        .collect();
-    let mut checks = Vec::new();
+}
+
+/// The per-window bounds of each phase (docs/guarantees.md).
+fn window_checks(judged: &[&Second]) -> Vec<Check> {
     let l = LIMIT as f64;
     let bound = |name: &str, phase: &[&str], lo: f64, hi: f64| {
-        let bad: Vec<String> = judged
+        let in_phase: Vec<&&Second> = judged
             .iter()
             .filter(|s| phase.contains(&s.phase.as_str()))
+            .collect();
+        let bad: Vec<String> = in_phase
+            .iter()
             .filter(|s| {
                 let slack = s.uncertain as f64;
                 (s.admitted as f64) + slack < lo || (s.admitted as f64) - slack > hi
             })
             .map(|s| format!("t={} admitted {} (±{})", s.t, s.admitted, s.uncertain))
             .collect();
-        let n = judged
-            .iter()
-            .filter(|s| phase.contains(&s.phase.as_str()))
-            .count();
+        let n = in_phase.len();
         Check {
             name: name.into(),
             pass: bad.is_empty() && n > 0,
@@ -107,24 +138,30 @@ pub(super) fn judge(
             },
         }
     };
-    checks.push(bound(
-        "Redis up: admitted ≤ L per window",
-        &["before", "after"],
-        0.0,
-        l,
-    ));
-    checks.push(bound(
-        "Redis down: admitted within [0.95 L, 1.05 L] per window",
-        &["outage"],
-        0.95 * l,
-        1.05 * l,
-    ));
-    checks.push(bound(
-        "Failing over and recovering: admitted ≤ 1.05 L per window",
-        &["transition"],
-        0.0,
-        1.05 * l,
-    ));
+    vec![
+        bound(
+            "Redis up: admitted ≤ L per window",
+            &["before", "after"],
+            0.0,
+            l,
+        ),
+        bound(
+            "Redis down: admitted within [0.95 L, 1.05 L] per window",
+            &["outage"],
+            0.95 * l,
+            1.05 * l,
+        ),
+        bound(
+            "Failing over and recovering: admitted ≤ 1.05 L per window",
+            &["transition"],
+            0.0,
+            1.05 * l,
+        ),
+    ]
+}
+
+/// What callers saw: no errors, and never a pass without a decision.
+fn client_checks(samples: &[Sample]) -> Vec<Check> {
     let errors: Vec<String> = samples
         .iter()
         .filter_map(|s| match &s.seen {
@@ -133,33 +170,34 @@ pub(super) fn judge(
         })
         .take(5)
         .collect();
-    checks.push(Check {
-        name: "No client errors (no Envoy 5xx, no gRPC error through nginx)".into(),
-        pass: errors.is_empty(),
-        detail: if errors.is_empty() {
-            format!("{} calls", samples.len())
-        } else {
-            errors.join("; ")
-        },
-    });
     let fail_open = samples.iter().filter(|s| s.seen == Seen::FailOpen).count();
-    checks.push(Check {
-        name: "Envoy never failed open (every call got a decision)".into(),
-        pass: fail_open == 0,
-        detail: format!("{fail_open} calls without a decision"),
-    });
-    let total_admitted = samples.iter().filter(|s| s.seen == Seen::Admitted).count() as u64;
-    let run_windows: Vec<u64> = seconds.keys().copied().collect();
-    let total_redis: u64 = run_windows.iter().filter_map(|w| redis.get(w)).sum();
+    vec![
+        Check {
+            name: "No client errors (no Envoy 5xx, no gRPC error through nginx)".into(),
+            pass: errors.is_empty(),
+            detail: if errors.is_empty() {
+                format!("{} calls", samples.len())
+            } else {
+                errors.join("; ")
+            },
+        },
+        Check {
+            name: "Envoy never failed open (every call got a decision)".into(),
+            pass: fail_open == 0,
+            detail: format!("{fail_open} calls without a decision"),
+        },
+    ]
+}
+
+/// After recovery Redis counts exactly what was granted, in total and in
+/// every window (within the edge tolerance).
+fn redis_check(seconds: &BTreeMap<u64, Second>, total_redis: u64, total_admitted: u64) -> Check {
     let window_mismatch: Vec<String> = seconds
         .values()
-        .filter(|s| {
-            let r = s.redis_count.unwrap_or(0);
-            r.abs_diff(s.admitted) > s.uncertain
-        })
+        .filter(|s| s.redis_count.unwrap_or(0).abs_diff(s.admitted) > s.uncertain)
         .map(|s| format!("t={} redis {:?} granted {}", s.t, s.redis_count, s.admitted))
         .collect();
-    checks.push(Check {
+    Check {
         name: "After recovery Redis holds exactly the grants".into(),
         pass: total_redis == total_admitted && window_mismatch.is_empty(),
         detail: format!(
@@ -170,18 +208,5 @@ pub(super) fn judge(
                 format!("; windows off: {}", window_mismatch.join(", "))
             }
         ),
-    });
-    let pass = checks.iter().all(|c| c.pass);
-    Report {
-        limit: LIMIT,
-        kill_ms,
-        restart_ms,
-        seconds: seconds.into_values().collect(),
-        checks,
-        pass,
-        total_admitted,
-        total_redis,
-        replicas_seen: replicas_seen.into_iter().collect(),
-        samples,
     }
 }

@@ -140,11 +140,10 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
     let load = Load::start(spec, Some(tap));
     let mut views: BTreeMap<u64, Vec<ReplicaView>> = BTreeMap::new();
     let mut envoy: BTreeMap<u64, Option<u64>> = BTreeMap::new();
-    let mut live_counts: BTreeMap<u64, [u64; 4]> = BTreeMap::new();
+    let mut live = LiveTable::default();
     let total = opts.before_s + opts.outage_s + opts.after_s;
     let mut kill_ms = 0;
     let mut restart_ms = 0;
-    let mut printed = 0u64;
     if opts.live {
         println!("{}", header());
     }
@@ -171,39 +170,11 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
             topo.launch(REDIS).await?;
         }
         while let Ok(s) = tapped.try_recv() {
-            let (w, _) = s.window(UNIT_MS);
-            let c = live_counts.entry(w).or_default();
-            match s.seen {
-                Seen::Admitted => c[0] += 1,
-                Seen::Denied => c[1] += 1,
-                Seen::FailOpen => c[2] += 1,
-                Seen::Error(_) => c[3] += 1,
-            }
+            live.count(&s);
         }
         if opts.live {
-            // Print the second before last: its calls have all come back.
-            let ready: Vec<u64> = live_counts
-                .keys()
-                .copied()
-                .filter(|w| *w + 2 * UNIT_MS <= unix_ms() && *w > printed)
-                .collect();
-            for w in ready {
-                let c = live_counts[&w];
-                let v = views.get(&w).cloned().unwrap_or_default();
-                let redis_up =
-                    !(kill_ms > 0 && w + UNIT_MS > kill_ms && (restart_ms == 0 || w < restart_ms));
-                println!(
-                    "{}",
-                    row(
-                        (w.saturating_sub(start_ms / UNIT_MS * UNIT_MS)) / UNIT_MS,
-                        redis_up,
-                        c,
-                        envoy.get(&w).copied().flatten(),
-                        &v
-                    )
-                );
-                printed = w;
-            }
+            let outage = (kill_ms, restart_ms);
+            live.print_ready(start_ms, outage, &views, &envoy);
         }
     }
     let samples = load.finish().await;
@@ -215,28 +186,7 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
     for s in &mut report.seconds {
         s.envoy_healthy = envoy.get(&s.window_ms).copied().flatten();
     }
-    // gRPC health stays SERVING through the outage: Envoy never takes a
-    // replica out because Redis is down.
-    let unhealthy: Vec<String> = report
-        .seconds
-        .iter()
-        .filter(|s| s.envoy_healthy.is_some_and(|n| n < REPLICAS as u64))
-        .map(|s| format!("t={}: {:?}", s.t, s.envoy_healthy))
-        .collect();
-    let polled = report
-        .seconds
-        .iter()
-        .filter(|s| s.envoy_healthy.is_some())
-        .count();
-    report.checks.push(Check {
-        name: "Envoy's health checks kept every replica in (SERVING through the outage)".into(),
-        pass: unhealthy.is_empty() && polled > 0,
-        detail: if unhealthy.is_empty() {
-            format!("{polled} seconds with {REPLICAS}/{REPLICAS} healthy")
-        } else {
-            unhealthy.join(", ")
-        },
-    });
+    report.checks.push(envoy_health_check(&report.seconds));
     report.checks.push(Check {
         name: "Every replica back on Redis with nothing left to replay".into(),
         pass: settled,
@@ -248,6 +198,72 @@ pub async fn failover(topo: &mut Topology, opts: &FailoverOptions) -> anyhow::Re
     });
     report.pass = report.checks.iter().all(|c| c.pass);
     Ok(report)
+}
+
+/// gRPC health stays SERVING through the outage: Envoy never takes a
+/// replica out because Redis is down.
+fn envoy_health_check(seconds: &[Second]) -> Check {
+    let unhealthy: Vec<String> = seconds
+        .iter()
+        .filter(|s| s.envoy_healthy.is_some_and(|n| n < REPLICAS as u64))
+        .map(|s| format!("t={}: {:?}", s.t, s.envoy_healthy))
+        .collect();
+    let polled = seconds.iter().filter(|s| s.envoy_healthy.is_some()).count();
+    Check {
+        name: "Envoy's health checks kept every replica in (SERVING through the outage)".into(),
+        pass: unhealthy.is_empty() && polled > 0,
+        detail: if unhealthy.is_empty() {
+            format!("{polled} seconds with {REPLICAS}/{REPLICAS} healthy")
+        } else {
+            unhealthy.join(", ")
+        },
+    }
+}
+
+/// The live table of `--live`: calls counted per window as they come back
+/// (admitted, denied, fail-open, errors), each row printed once complete.
+#[derive(Default)]
+struct LiveTable {
+    counts: BTreeMap<u64, [u64; 4]>,
+    printed: u64,
+}
+
+impl LiveTable {
+    fn count(&mut self, s: &Sample) {
+        let (w, _) = s.window(UNIT_MS);
+        let c = self.counts.entry(w).or_default();
+        match s.seen {
+            Seen::Admitted => c[0] += 1,
+            Seen::Denied => c[1] += 1,
+            Seen::FailOpen => c[2] += 1,
+            Seen::Error(_) => c[3] += 1,
+        }
+    }
+
+    /// Prints the windows before last: their calls have all come back.
+    fn print_ready(
+        &mut self,
+        start_ms: u64,
+        (kill_ms, restart_ms): (u64, u64),
+        views: &BTreeMap<u64, Vec<ReplicaView>>,
+        envoy: &BTreeMap<u64, Option<u64>>,
+    ) {
+        let ready: Vec<u64> = self
+            .counts
+            .keys()
+            .copied()
+            .filter(|w| *w + 2 * UNIT_MS <= unix_ms() && *w > self.printed)
+            .collect();
+        for w in ready {
+            let v = views.get(&w).cloned().unwrap_or_default();
+            let redis_up =
+                !(kill_ms > 0 && w + UNIT_MS > kill_ms && (restart_ms == 0 || w < restart_ms));
+            let t = w.saturating_sub(start_ms / UNIT_MS * UNIT_MS) / UNIT_MS;
+            let healthy = envoy.get(&w).copied().flatten();
+            println!("{}", row(t, redis_up, self.counts[&w], healthy, &v));
+            self.printed = w;
+        }
+    }
 }
 
 async fn sleep_until(unix: u64) {

@@ -2,9 +2,6 @@
 //! pid), killing one component, and stopping everything in reverse
 //! dependency order.
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-
 use super::*;
 
 impl Topology {
@@ -124,8 +121,8 @@ impl Topology {
         let report = self.report.clone();
         let c = self.component(name)?;
         if let Some(mut child) = c.child.take() {
-            let pid = child.id().unwrap_or(0);
-            child.kill().await?;
+            let pid = child.pid();
+            child.kill();
             report(&format!("killed {name} (pid {pid}) with SIGKILL"));
         }
         Ok(())
@@ -148,19 +145,17 @@ impl Topology {
                     continue;
                 }
                 if let Some(child) = c.child.take() {
-                    if let Some(pid) = child.id() {
-                        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-                        stopping.push((c.name.clone(), pid, child));
-                    }
+                    let _ = child.signal("TERM");
+                    stopping.push((c.name.clone(), child.pid(), child));
                 }
             }
             let waits = stopping
                 .into_iter()
                 .map(|(name, pid, mut child)| async move {
-                    let how = match tokio::time::timeout(STOP_GRACE, child.wait()).await {
-                        Ok(Ok(s)) => format!("stopped ({s})"),
-                        _ => {
-                            let _ = child.kill().await;
+                    let how = match child.wait_exit_async(STOP_GRACE).await {
+                        Some(s) => format!("stopped ({s})"),
+                        None => {
+                            child.kill();
                             "killed after the grace period".to_string()
                         }
                     };
@@ -174,18 +169,5 @@ impl Topology {
 
     pub fn http(&self) -> &crate::ops::http_client::HttpClient {
         &self.http
-    }
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        // The async stop is the normal path; this only covers a panic or an
-        // early return, where kill_on_drop sends SIGKILL to each child.
-        for c in &mut self.components {
-            if let Some(mut child) = c.child.take() {
-                let _ = child.start_kill();
-                drop(child);
-            }
-        }
     }
 }

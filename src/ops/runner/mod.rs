@@ -16,8 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
+use std::process::Command;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, Command};
+
+use crate::ops::process::Process;
 
 use super::deploy::{self, Layout, REPLICAS};
 
@@ -42,12 +44,12 @@ struct Component {
     args: Vec<String>,
     env: Vec<(String, String)>,
     log: PathBuf,
-    child: Option<Child>,
+    child: Option<Process>,
 }
 
 impl Component {
     fn pid(&self) -> Option<u32> {
-        self.child.as_ref().and_then(Child::id)
+        self.child.as_ref().map(Process::pid)
     }
 }
 
@@ -230,22 +232,10 @@ impl Topology {
         if c.child.is_some() {
             bail!("{name} is already running");
         }
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&c.log)
-            .with_context(|| format!("opening {}", c.log.display()))?;
         let mut cmd = Command::new(&c.program);
-        cmd.args(&c.args)
-            .envs(c.env.iter().cloned())
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {name} ({})", c.program.display()))?;
-        let pid = child.id().unwrap_or(0);
+        cmd.args(&c.args).envs(c.env.iter().cloned());
+        let child = Process::spawn(name, &mut cmd, &c.log)?;
+        let pid = child.pid();
         c.child = Some(child);
         let msg = format!("started {name:<12} pid {pid:<7} log {}", c.log.display());
         (self.report)(&msg);
@@ -275,7 +265,7 @@ impl Topology {
         let c = self.component(name)?;
         match c.child.as_mut() {
             Some(child) => {
-                let status = child.try_wait()?;
+                let status = child.try_wait();
                 if status.is_some() {
                     c.child = None;
                 }

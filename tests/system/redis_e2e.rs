@@ -4,15 +4,16 @@
 //! expiry, odd descriptor values, and startup against a Redis that refuses,
 //! rejects the password or is not Redis at all. Run one test at a time.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{free_port, get, require, single, test_dir, wait_until, Leasehold, Proc, RedisServer};
+use crate::common;
+use crate::common::{
+    free_port, get, require, single, test_dir, wait_until, Leasehold, RedisServer,
+};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use leasehold::proto::rls::RateLimitResponse;
@@ -242,7 +243,7 @@ async fn clock_skew_changes_nothing() {
         for (k, v) in redis_env(&url, "500") {
             cmd.env(k, v);
         }
-        let proc = Proc::spawn(name, &mut cmd, &dir);
+        let proc = common::spawn(name, &mut cmd, &dir);
         let http_addr: std::net::SocketAddr = http.parse().expect("addr");
         let up = tokio::task::spawn_blocking(move || {
             wait_until(Duration::from_secs(20), || {
@@ -632,7 +633,7 @@ async fn a_live_duplicate_replica_id_is_refused() {
     for (k, v) in redis_env(&url, "500") {
         cmd.env(k, v);
     }
-    let mut second = Proc::spawn("second", &mut cmd, &dir);
+    let mut second = common::spawn("second", &mut cmd, &dir);
     let status = tokio::task::block_in_place(|| second.wait_exit(Duration::from_secs(15)));
     assert!(
         status.is_some_and(|s| !s.success()),

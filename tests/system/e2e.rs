@@ -3,16 +3,14 @@
 //! hot reload, `leasehold check`, startup failures and graceful shutdown.
 //! These start processes, so nextest runs this binary one test at a time.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{
+use crate::common;
+use crate::common::{
     desc, free_port, get, http, request, require, test_dir, wait_until, write_rules, Leasehold,
-    Proc,
 };
 use leasehold::proto::common::rate_limit_descriptor::RateLimitOverride;
 use leasehold::proto::rls::rate_limit_response::Code;
@@ -501,7 +499,7 @@ async fn sigterm_reports_not_serving_then_drains_and_exits_zero() {
         .status;
     assert_eq!(status, 1, "SERVING");
 
-    server.proc.signal("TERM");
+    server.proc.signal("TERM").expect("signal TERM");
     let mut saw_not_serving = false;
     for _ in 0..20 {
         match health.check(check("")).await {
@@ -593,7 +591,7 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     cmd.arg("-c")
         .arg(&config_path)
         .args(["--disable-hot-restart", "--log-level", "warn"]);
-    let envoy_proc = Proc::spawn("envoy", &mut cmd, &dir);
+    let envoy_proc = common::spawn("envoy", &mut cmd, &dir);
     let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().expect("addr");
     let ingress: std::net::SocketAddr = format!("127.0.0.1:{listen_port}").parse().expect("addr");
     let results = tokio::task::spawn_blocking(move || {

@@ -3,8 +3,6 @@
 //! and grpcurl. Also the static checks of compose.yaml and the Dockerfile,
 //! which cannot run here (no Docker engine).
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -12,7 +10,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{http, leasehold_bin, require, test_dir, wait_until};
+use crate::common;
+use crate::common::{http, leasehold_bin, require, test_dir, wait_until};
 use leasehold::ops::demo::{self, FailoverOptions, LIMIT, UNIT_MS};
 use leasehold::ops::deploy::{self, Layout};
 use leasehold::ops::load::{unix_ms, Load, LoadSpec, Seen, Via};

@@ -1,12 +1,10 @@
 //! The behaviour suite on the Redis engine, against a real redis-server the
 //! test starts on a free port: the very cases the in-memory engine passes.
 
-mod behaviour;
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::common;
 use leasehold::engine::Engine;
 use leasehold::settings::Settings;
 

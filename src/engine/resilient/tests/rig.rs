@@ -1,9 +1,7 @@
-//! The resilient engine without Redis: a scripted fake backend and a manual
-//! clock drive trip → probe → replay → settle → healthy, lost and late
-//! replies, and flaps, with no sleeping. The fake keeps the per-replica
-//! fields a real Redis would (the Redis-path field and the replayed local
-//! field per window), so each test can also check that the store ends up
-//! holding exactly the grants.
+//! The test rig: a scripted fake backend that keeps the per-replica fields
+//! a real Redis would (the Redis-path field and the replayed local field per
+//! window), so each test can check that the store ends up holding exactly
+//! the grants; and a manual clock with the recovery loop ticked by hand.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,8 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 
-use super::breaker::{BreakerConfig, BreakerState};
-use super::{Recovery, ResilientConfig, ResilientEngine};
+use super::super::breaker::{BreakerConfig, BreakerState};
+use super::super::{Recovery, ResilientConfig, ResilientEngine};
 use crate::clock::{Clock, ManualClock};
 use crate::domain::backend::{
     Backend, CallError, Members, RawItem, RawReply, ReplayEntry, ReplayKind,
@@ -26,7 +24,7 @@ use crate::limit::{LimitSpec, Role, Unit};
 
 /// How the fake answers decision calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     Up,
     /// Connections refused: the call never left.
     Refused,
@@ -38,23 +36,23 @@ enum Mode {
 }
 
 #[derive(Default)]
-struct Store {
+pub(super) struct Store {
     /// Per (key, window): the Redis-path field and the local field.
-    redis_field: HashMap<(CounterKey, u64), i64>,
-    local_field: HashMap<(CounterKey, u64), i64>,
-    late: VecDeque<Batch>,
-    replays: Vec<Vec<ReplayEntry>>,
+    pub(super) redis_field: HashMap<(CounterKey, u64), i64>,
+    pub(super) local_field: HashMap<(CounterKey, u64), i64>,
+    pub(super) late: VecDeque<Batch>,
+    pub(super) replays: Vec<Vec<ReplayEntry>>,
 }
 
-struct Fake {
-    clock: Arc<ManualClock>,
-    mode: Mutex<Mode>,
-    store: Mutex<Store>,
-    decide_calls: AtomicUsize,
+pub(super) struct Fake {
+    pub(super) clock: Arc<ManualClock>,
+    pub(super) mode: Mutex<Mode>,
+    pub(super) store: Mutex<Store>,
+    pub(super) decide_calls: AtomicUsize,
 }
 
 impl Fake {
-    fn new(clock: Arc<ManualClock>) -> Arc<Fake> {
+    pub(super) fn new(clock: Arc<ManualClock>) -> Arc<Fake> {
         Arc::new(Fake {
             clock,
             mode: Mutex::new(Mode::Up),
@@ -63,16 +61,16 @@ impl Fake {
         })
     }
 
-    fn set(&self, mode: Mode) {
+    pub(super) fn set(&self, mode: Mode) {
         *self.mode.lock() = mode;
     }
 
-    fn window(&self, spec: &LimitSpec) -> u64 {
+    pub(super) fn window(&self, spec: &LimitSpec) -> u64 {
         self.clock.now_ms() / spec.unit.millis()
     }
 
     /// Runs a batch like the script: all-or-nothing, on the store's time.
-    fn execute(&self, batch: &Batch) -> RawReply {
+    pub(super) fn execute(&self, batch: &Batch) -> RawReply {
         let mut store = self.store.lock();
         let mut items = Vec::new();
         let mut denied = false;
@@ -110,7 +108,7 @@ impl Fake {
     }
 
     /// The late calls run now.
-    fn run_late(&self) {
+    pub(super) fn run_late(&self) {
         let late: Vec<Batch> = self.store.lock().late.drain(..).collect();
         for b in &late {
             self.execute(b);
@@ -118,14 +116,14 @@ impl Fake {
     }
 
     /// The store's total for a key's current window.
-    fn total(&self, key: &CounterKey, spec: &LimitSpec) -> i64 {
+    pub(super) fn total(&self, key: &CounterKey, spec: &LimitSpec) -> i64 {
         let store = self.store.lock();
         let k = (key.clone(), self.window(spec));
         store.redis_field.get(&k).copied().unwrap_or(0)
             + store.local_field.get(&k).copied().unwrap_or(0)
     }
 
-    fn replays(&self) -> Vec<Vec<(ReplayKind, i64)>> {
+    pub(super) fn replays(&self) -> Vec<Vec<(ReplayKind, i64)>> {
         self.store
             .lock()
             .replays
@@ -189,21 +187,21 @@ impl Backend for Fake {
     }
 }
 
-const DEADLINE_MS: u64 = 5;
-const SETTLE_MS: u64 = 1_405;
+pub(super) const DEADLINE_MS: u64 = 5;
+pub(super) const SETTLE_MS: u64 = 1_405;
 
-struct Rig {
-    clock: Arc<ManualClock>,
-    fake: Arc<Fake>,
-    engine: ResilientEngine,
-    recovery: Recovery,
-    spec: LimitSpec,
+pub(super) struct Rig {
+    pub(super) clock: Arc<ManualClock>,
+    pub(super) fake: Arc<Fake>,
+    pub(super) engine: ResilientEngine,
+    pub(super) recovery: Recovery,
+    pub(super) spec: LimitSpec,
     /// Requests admitted so far, per key.
-    granted: HashMap<CounterKey, i64>,
+    pub(super) granted: HashMap<CounterKey, i64>,
 }
 
 impl Rig {
-    fn new() -> Rig {
+    pub(super) fn new() -> Rig {
         // Mid-window, so a test's requests share one minute window.
         let clock = Arc::new(ManualClock::new(60_000 * 1_000 + 1_000));
         let fake = Fake::new(clock.clone());
@@ -231,11 +229,11 @@ impl Rig {
         }
     }
 
-    fn key(&self, v: &str) -> CounterKey {
+    pub(super) fn key(&self, v: &str) -> CounterKey {
         CounterKey::new("d", [("user", v)], &self.spec)
     }
 
-    async fn hit(&mut self, v: &str) -> DecisionPath {
+    pub(super) async fn hit(&mut self, v: &str) -> DecisionPath {
         let key = self.key(v);
         let batch = Batch {
             charges: vec![Charge {
@@ -254,28 +252,28 @@ impl Rig {
         outcome.path
     }
 
-    async fn tick(&mut self) {
+    pub(super) async fn tick(&mut self) {
         self.engine.tick(&mut self.recovery).await;
     }
 
-    fn state(&self) -> BreakerState {
+    pub(super) fn state(&self) -> BreakerState {
         self.engine.breaker_state()
     }
 
     /// (keys to replay, unreplayed hits, suspect keys).
-    fn pending(&self) -> (usize, i64, usize) {
+    pub(super) fn pending(&self) -> (usize, i64, usize) {
         self.engine.ledger().pending()
     }
 
     /// The store holds exactly what was granted, for every key.
-    fn assert_exact(&self) {
+    pub(super) fn assert_exact(&self) {
         for (key, granted) in &self.granted {
             assert_eq!(self.fake.total(key, &self.spec), *granted, "{key}");
         }
     }
 
     /// From tripped back to healthy with Redis up: probe, replay, settle.
-    async fn recover(&mut self) {
+    pub(super) async fn recover(&mut self) {
         self.fake.set(Mode::Up);
         self.clock.advance(700);
         self.tick().await;
@@ -286,152 +284,4 @@ impl Rig {
         self.tick().await;
         assert_eq!(self.state(), BreakerState::Healthy);
     }
-}
-
-#[tokio::test]
-async fn trips_after_consecutive_failures_deciding_each_locally() {
-    let mut rig = Rig::new();
-    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
-    rig.fake.set(Mode::Refused);
-    for i in 1..=3 {
-        assert_eq!(rig.hit("a").await, DecisionPath::Local, "call {i}");
-        let want = if i < 3 {
-            BreakerState::Healthy
-        } else {
-            BreakerState::Tripped
-        };
-        assert_eq!(rig.state(), want, "after {i} refused calls");
-    }
-    // Refused calls never left: nothing is suspect, three local grants wait.
-    assert_eq!(rig.pending(), (1, 3, 0));
-    let calls = rig.fake.decide_calls.load(Ordering::SeqCst);
-    assert_eq!(rig.hit("a").await, DecisionPath::Local);
-    assert_eq!(
-        rig.fake.decide_calls.load(Ordering::SeqCst),
-        calls,
-        "tripped: no call to Redis"
-    );
-    assert_eq!(rig.pending(), (1, 4, 0));
-    // A probe that fails keeps it tripped.
-    rig.clock.advance(700);
-    rig.tick().await;
-    assert_eq!(rig.state(), BreakerState::Tripped);
-}
-
-#[tokio::test]
-async fn probe_then_replay_then_settle_then_healthy() {
-    let mut rig = Rig::new();
-    rig.fake.set(Mode::Refused);
-    for _ in 0..5 {
-        rig.hit("a").await;
-    }
-    assert_eq!(rig.state(), BreakerState::Tripped);
-    rig.fake.set(Mode::Up);
-    rig.clock.advance(700);
-    rig.tick().await;
-    assert_eq!(rig.state(), BreakerState::Probing);
-    assert_eq!(rig.hit("a").await, DecisionPath::Local, "probing is local");
-    assert_eq!(rig.pending(), (1, 6, 0));
-    rig.tick().await;
-    assert_eq!(rig.state(), BreakerState::Settling);
-    assert_eq!(rig.fake.replays(), [vec![(ReplayKind::Local, 6)]]);
-    assert_eq!(rig.pending(), (0, 0, 0));
-    rig.assert_exact();
-    // Settling stays local and replays once more when the period is over.
-    assert_eq!(rig.hit("a").await, DecisionPath::Local);
-    rig.clock.advance(SETTLE_MS - 1);
-    rig.tick().await;
-    assert_eq!(rig.state(), BreakerState::Settling, "not before the period");
-    rig.clock.advance(1);
-    rig.tick().await;
-    assert_eq!(rig.state(), BreakerState::Healthy);
-    assert_eq!(rig.fake.replays()[1], [(ReplayKind::Local, 7)]);
-    assert_eq!(rig.pending(), (0, 0, 0));
-    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
-    rig.assert_exact();
-    let status = rig.engine.snapshot();
-    assert_eq!((status.breaker.state, status.path), ("healthy", "redis"));
-    assert_eq!(status.breaker.transitions, 4);
-}
-
-#[tokio::test]
-async fn a_reply_lost_after_the_script_ran_is_repaired_once() {
-    let mut rig = Rig::new();
-    for _ in 0..3 {
-        rig.hit("a").await;
-    }
-    rig.fake.set(Mode::LoseReply);
-    assert_eq!(rig.hit("a").await, DecisionPath::Local);
-    // Redis counted it, and so did the local decision: the key is suspect
-    // and stays local until repaired; one failure does not trip.
-    assert_eq!(rig.state(), BreakerState::Healthy);
-    assert_eq!(rig.pending(), (1, 1, 1));
-    assert_eq!(rig.fake.total(&rig.key("a"), &rig.spec), 4);
-    rig.fake.set(Mode::Up);
-    let calls = rig.fake.decide_calls.load(Ordering::SeqCst);
-    assert_eq!(rig.hit("a").await, DecisionPath::Local, "suspect: local");
-    assert_eq!(rig.hit("b").await, DecisionPath::Redis, "other keys: Redis");
-    assert_eq!(rig.fake.decide_calls.load(Ordering::SeqCst), calls + 1);
-    // Within the quiet time only the local usage is replayed.
-    rig.tick().await;
-    assert_eq!(rig.fake.replays(), [vec![(ReplayKind::Local, 2)]]);
-    assert_eq!(rig.pending(), (1, 0, 1));
-    // Then the repair sets the Redis-path field to the confirmed 3.
-    rig.clock.advance(DEADLINE_MS + 10);
-    rig.tick().await;
-    assert_eq!(rig.fake.replays()[1], [(ReplayKind::Repair, 3)]);
-    assert_eq!(rig.pending(), (0, 0, 0));
-    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
-    rig.assert_exact();
-    assert_eq!(rig.granted[&rig.key("a")], 6);
-}
-
-#[tokio::test]
-async fn a_late_execution_after_the_deadline_counts_once() {
-    let mut rig = Rig::new();
-    rig.hit("a").await;
-    rig.fake.set(Mode::Late);
-    assert_eq!(rig.hit("a").await, DecisionPath::Local);
-    assert_eq!(rig.pending(), (1, 1, 1));
-    rig.fake.set(Mode::Up);
-    // The script Redis had queued runs after the caller gave up.
-    rig.fake.run_late();
-    assert_eq!(rig.fake.total(&rig.key("a"), &rig.spec), 2, "late run");
-    rig.clock.advance(DEADLINE_MS + 10);
-    rig.tick().await;
-    let replayed = rig.fake.replays();
-    assert_eq!(
-        replayed,
-        [vec![(ReplayKind::Local, 1), (ReplayKind::Repair, 1)]]
-    );
-    assert_eq!(rig.pending(), (0, 0, 0));
-    rig.assert_exact();
-    assert_eq!(rig.fake.total(&rig.key("a"), &rig.spec), 2);
-}
-
-#[tokio::test]
-async fn ten_flaps_end_healthy_with_redis_holding_the_grants() {
-    let mut rig = Rig::new();
-    for flap in 0..10 {
-        for _ in 0..4 {
-            assert_eq!(rig.hit("a").await, DecisionPath::Redis, "flap {flap}");
-        }
-        rig.fake.set(Mode::Refused);
-        for _ in 0..5 {
-            assert_eq!(rig.hit("a").await, DecisionPath::Local);
-        }
-        assert_eq!(rig.state(), BreakerState::Tripped, "flap {flap}");
-        assert_eq!(rig.pending(), (1, 5, 0), "flap {flap}");
-        rig.clock.advance(700);
-        rig.tick().await;
-        assert_eq!(rig.state(), BreakerState::Tripped, "probe refused");
-        rig.recover().await;
-        assert_eq!(rig.pending(), (0, 0, 0), "flap {flap}");
-        rig.assert_exact();
-    }
-    assert_eq!(rig.granted[&rig.key("a")], 90);
-    let status = rig.engine.snapshot();
-    assert_eq!(status.breaker.transitions, 40);
-    assert_eq!(status.ledger.dropped_usage, 0);
-    assert_eq!(status.decisions.local, 50);
 }

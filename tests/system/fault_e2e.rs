@@ -4,13 +4,12 @@
 //! replica. Every OK is attributed to the window the server reported, not to
 //! the test's clock. Heavy: nextest runs these one at a time.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::proxy::{FaultProxy, Mode};
+use crate::common;
+use crate::common::proxy::{FaultProxy, Mode};
 use common::{get, single, test_dir, wait_until, Leasehold, RedisServer};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
@@ -365,10 +364,10 @@ async fn redis_hung_by_sigstop_costs_no_errors_and_no_slow_decisions() {
     let load = start_load(&c, "fw", [100, 100, 100, 100], Duration::from_millis(9_500));
     tokio::time::sleep(Duration::from_millis(3_000)).await;
     let stopped_at = now_ms();
-    c.redis.proc.signal("STOP");
+    c.redis.proc.signal("STOP").expect("signal STOP");
     tokio::time::sleep(Duration::from_millis(4_000)).await;
     let back_at = now_ms();
-    c.redis.proc.signal("CONT");
+    c.redis.proc.signal("CONT").expect("signal CONT");
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
     assert_no_errors(&samples);
@@ -677,7 +676,7 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
         std::fs::read_to_string(&file)
     );
     let mut first = first;
-    first.proc.signal("KILL");
+    first.proc.signal("KILL").expect("signal KILL");
     let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
     proxy.set(Mode::Pass);
     proxy.cut();
@@ -729,7 +728,7 @@ async fn sigterm_with_redis_down_exits_promptly() {
         Leasehold::start("r1", &rules, &["--replica-id", "t1"], &env, &dir)
     });
     tokio::task::block_in_place(|| redis.kill());
-    rep.proc.signal("TERM");
+    rep.proc.signal("TERM").expect("signal TERM");
     let status = tokio::task::block_in_place(|| rep.proc.wait_exit(Duration::from_secs(8)));
     assert_eq!(
         status.and_then(|s| s.code()),

@@ -4,8 +4,7 @@
 //! server allocate or hash unbounded input. A request that fails here charges
 //! nothing.
 
-use crate::limit::Unit;
-use crate::limiter::{Descriptor, Request};
+use crate::decision::{Descriptor, Request};
 use crate::proto::rls::RateLimitRequest;
 
 /// Size bounds on one request.
@@ -47,20 +46,6 @@ pub enum ValidationError {
     EntryTooLong(usize, usize, &'static str, usize, usize),
     #[error("descriptor {0}: limit override has unit {1}; use SECOND, MINUTE, HOUR, DAY, WEEK, MONTH or YEAR")]
     BadOverrideUnit(usize, String),
-}
-
-/// Converts a proto unit number (envoy.type.v3.RateLimitUnit) to a unit.
-pub fn unit_from_proto(value: i32) -> Option<Unit> {
-    match value {
-        1 => Some(Unit::Second),
-        2 => Some(Unit::Minute),
-        3 => Some(Unit::Hour),
-        4 => Some(Unit::Day),
-        5 => Some(Unit::Month),
-        6 => Some(Unit::Year),
-        7 => Some(Unit::Week),
-        _ => None,
-    }
 }
 
 /// Validates a request and moves it into domain types.
@@ -115,7 +100,7 @@ pub fn to_domain(req: RateLimitRequest, bounds: &Bounds) -> Result<Request, Vali
         }
         let limit_override = match d.limit {
             None => None,
-            Some(o) => match unit_from_proto(o.unit) {
+            Some(o) => match super::unit_from_wire(o.unit) {
                 Some(unit) => Some((o.requests_per_unit, unit)),
                 None => {
                     let name = match o.unit {

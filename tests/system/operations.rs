@@ -4,8 +4,6 @@
 //! chromium during an outage, and the Grafana dashboard's metrics in a
 //! scrape that promtool accepts.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -14,7 +12,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{get, require, single, test_dir, wait_until, write_rules, Leasehold, RedisServer};
+use crate::common;
+use crate::common::{
+    get, require, single, test_dir, wait_until, write_rules, Leasehold, RedisServer,
+};
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,

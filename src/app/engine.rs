@@ -1,0 +1,113 @@
+//! Building the engine from settings: the in-memory engine without a Redis
+//! URL; with one, the Redis engine (connected without waiting, this replica
+//! registered) wrapped in the resilient engine with its journal. The
+//! background loops each needs are spawned onto the caller's task set.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::resilient::journal::Journal;
+use crate::engine::{Engine, MemoryEngine, RedisEngine, ResilientEngine};
+use crate::metrics::Metrics;
+use crate::redis::membership::Membership;
+use crate::redis::{Redis, RedisConfig};
+use crate::settings::Settings;
+
+/// The engine decisions go to, and the Redis connection to close last.
+pub(super) struct Built {
+    pub engine: Arc<dyn Engine>,
+    pub redis: Option<Arc<Redis>>,
+}
+
+pub(super) async fn build(
+    settings: &Settings,
+    replica_id: &str,
+    memory: Arc<MemoryEngine>,
+    metrics: &Metrics,
+    tasks: &mut JoinSet<()>,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Built> {
+    let Some(url) = &settings.redis_url else {
+        return Ok(Built {
+            engine: memory,
+            redis: None,
+        });
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let boot = format!("{:x}", clock.now_ms());
+    let (redis_engine, redis) = redis_engine(settings, url, replica_id, boot).await?;
+    tasks.spawn(redis_engine.membership().clone().run(stop.clone()));
+    let journal = match &settings.journal_dir {
+        Some(dir) => Some(
+            Journal::open(dir, replica_id)
+                .with_context(|| format!("journal_dir {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let resilient = Arc::new(ResilientEngine::new(
+        redis_engine,
+        clock,
+        settings.resilient(),
+        journal,
+    ));
+    resilient.set_redis_call_histogram(metrics.redis_call_histogram());
+    tasks.spawn(resilient.clone().run(stop.clone()));
+    Ok(Built {
+        engine: resilient,
+        redis: Some(redis),
+    })
+}
+
+/// Connects to Redis without waiting for it, logs clearly whether it
+/// answers, and registers this replica (a live duplicate id is fatal). The
+/// caller runs the membership heartbeat (`engine.membership().run`).
+pub async fn redis_engine(
+    settings: &Settings,
+    url: &str,
+    replica_id: &str,
+    boot: String,
+) -> anyhow::Result<(Arc<RedisEngine>, Arc<Redis>)> {
+    let redis = Arc::new(
+        Redis::connect(&RedisConfig {
+            url: url.to_owned(),
+            pool_size: settings.redis_pool_size,
+            deadline: Duration::from_millis(settings.redis_deadline_ms),
+        })
+        .map_err(anyhow::Error::msg)?,
+    );
+    match redis.ping(Duration::from_secs(2)).await {
+        Ok(()) => tracing::info!(redis = %redis.display_url, "connected to Redis"),
+        Err(e) => tracing::warn!(
+            redis = %redis.display_url,
+            error = %e,
+            "Redis is not answering; serving anyway and reconnecting in the background"
+        ),
+    }
+    let nonce = format!("{}-{boot}", std::process::id());
+    let membership = Arc::new(Membership::new(
+        redis.clone(),
+        &settings.redis_prefix,
+        replica_id.to_owned(),
+        nonce,
+        Duration::from_millis(settings.membership_heartbeat_ms),
+        Duration::from_millis(settings.membership_ttl_ms),
+    ));
+    membership.register().await?;
+    if let Some(index) = membership.index() {
+        tracing::info!(replica_id, index, live = ?membership.state().live, "registered with Redis");
+    }
+    let engine = RedisEngine::new(
+        redis.clone(),
+        membership,
+        settings.redis_prefix.clone(),
+        settings.redis_expiry_margin_ms,
+        boot,
+        SystemClock.now_ms().saturating_mul(1_000),
+    );
+    Ok((Arc::new(engine), redis))
+}

@@ -1,0 +1,144 @@
+//! The composition root: settings and rules are validated before any port
+//! is bound ([`prepare`]); [`run`] builds the engine ([`engine`]), the
+//! decision layer and the servers ([`serve`]), runs the background loops
+//! ([`loops`]) under one stop signal, and shuts down in order
+//! ([`shutdown`]). Signal handling for every long-running command lives in
+//! [`signals`].
+
+mod engine;
+mod loops;
+mod serve;
+mod shutdown;
+pub mod signals;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::clock::{Clock, SystemClock};
+use crate::decision::{Limiter, RulesHandle};
+use crate::engine::MemoryEngine;
+use crate::http::{Health, HttpState};
+use crate::metrics::Metrics;
+use crate::rules::{self, ReloadStatus, RuleErrors, RuleSet};
+use crate::settings::Settings;
+
+pub use engine::redis_engine;
+pub use signals::{stop_signal, Stop};
+
+/// Everything that can fail before a port is bound: settings and rules.
+pub struct Prepared {
+    pub settings: Settings,
+    pub rules: RuleSet,
+}
+
+/// Validates settings and loads the rules; errors here mean "exit non-zero
+/// without binding anything".
+pub fn prepare(settings: Settings) -> anyhow::Result<Prepared> {
+    settings.validate()?;
+    let rules = rules::load_paths(&settings.rules, settings.load_options())
+        .map_err(|e: RuleErrors| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    Ok(Prepared { settings, rules })
+}
+
+/// Runs the server on already-bound listeners until `shutdown` resolves.
+pub async fn run(
+    prepared: Prepared,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    admin_listener: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let Prepared { settings, rules } = prepared;
+    let grpc_port = grpc_listener.local_addr()?.port();
+    let replica_id: Arc<str> = Arc::from(
+        settings
+            .replica_id
+            .clone()
+            .unwrap_or_else(|| format!("{}:{grpc_port}", hostname())),
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    let metrics = Arc::new(
+        Metrics::new(settings.metrics_detailed_max_series).context("registering metrics")?,
+    );
+    let memory = Arc::new(MemoryEngine::new(Arc::new(SystemClock)));
+    let built = engine::build(
+        &settings,
+        &replica_id,
+        memory.clone(),
+        &metrics,
+        &mut tasks,
+        &stop_rx,
+    )
+    .await?;
+
+    let reload = Arc::new(ReloadStatus::default());
+    reload
+        .loaded_at_ms
+        .store(SystemClock.now_ms(), Ordering::Relaxed);
+    reload.successes.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(hash = %rules.hash, files = rules.files.len(), domains = rules.domains.len(), "rules loaded");
+    metrics.reload(true, &rules.hash);
+    let handle: RulesHandle = Arc::new(ArcSwap::from_pointee(rules));
+    let limiter = Arc::new(
+        Limiter::new(handle.clone(), built.engine, settings.decision())
+            .with_metrics(metrics.clone()),
+    );
+    let health = Arc::new(Health::default());
+    health.set_rules_loaded();
+    tasks.spawn(loops::reload(
+        settings.clone(),
+        handle,
+        reload.clone(),
+        metrics,
+        stop_rx.clone(),
+    ));
+    tasks.spawn(loops::sweep(
+        memory,
+        Duration::from_millis(settings.sweep_interval_ms),
+        stop_rx.clone(),
+    ));
+
+    let state = HttpState {
+        limiter: limiter.clone(),
+        bounds: settings.bounds(),
+        health: health.clone(),
+        reload,
+        replica_id,
+        redact: settings.redact_values,
+    };
+    let listeners = serve::Listeners {
+        grpc: grpc_listener,
+        http: http_listener,
+        admin: admin_listener,
+    };
+    let mut servers = serve::start(&settings, limiter, state, listeners, &stop_rx).await?;
+    tokio::select! {
+        () = shutdown => {}
+        r = &mut servers.grpc => anyhow::bail!("gRPC server stopped unexpectedly: {r:?}"),
+        r = &mut servers.http => anyhow::bail!("HTTP server stopped unexpectedly: {r:?}"),
+        r = &mut servers.admin => anyhow::bail!("admin HTTP server stopped unexpectedly: {r:?}"),
+    }
+    shutdown::in_order(&settings, servers, &health, stop_tx, tasks, built.redis).await;
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|s| s.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}

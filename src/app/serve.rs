@@ -1,0 +1,135 @@
+//! The listeners: gRPC (RLS, grpc.health.v1, reflection v1 and v1alpha) and
+//! HTTP (public endpoints, and the admin pages on the main listener or their
+//! own), every accepted socket with TCP_NODELAY, each server a task that
+//! stops accepting on the stop signal and then drains.
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use axum::serve::ListenerExt as _;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::decision::Limiter;
+use crate::grpc::{RlsService, HEALTH_NAMES};
+use crate::http::{self, HttpState};
+use crate::settings::Settings;
+
+/// The running servers.
+pub(super) struct Servers {
+    pub grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    pub http: JoinHandle<std::io::Result<()>>,
+    pub admin: JoinHandle<std::io::Result<()>>,
+    /// grpc.health.v1 statuses, flipped to NOT_SERVING first on shutdown.
+    pub health: HealthReporter,
+}
+
+impl Servers {
+    /// Reports every health name as `status`.
+    pub async fn report(&self, status: ServingStatus) {
+        for name in HEALTH_NAMES {
+            self.health.set_service_status(name, status).await;
+        }
+    }
+}
+
+pub(super) struct Listeners {
+    pub grpc: TcpListener,
+    pub http: TcpListener,
+    pub admin: Option<TcpListener>,
+}
+
+pub(super) async fn start(
+    settings: &Settings,
+    limiter: Arc<Limiter>,
+    state: HttpState,
+    listeners: Listeners,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Servers> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for name in HEALTH_NAMES {
+        health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building reflection v1")?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building reflection v1alpha")?;
+    let mut rls = RlsService::new(limiter, settings.bounds()).with_replica(&state.replica_id);
+    if settings.replica_response_header {
+        rls = rls.with_replica_http_header(&state.replica_id);
+    }
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(rls.into_server())
+        .serve_with_incoming_shutdown(accept_nodelay(listeners.grpc), stopped(stop.clone()));
+
+    // With an admin listener, the pages that show descriptor values move
+    // there; the main listener keeps health, metrics and /json.
+    let (router, admin) = match listeners.admin {
+        Some(listener) => {
+            tracing::info!(admin = %listener.local_addr()?, "admin pages on their own listener");
+            (
+                http::public_router(state.clone()),
+                Some((listener, http::admin_router(state))),
+            )
+        }
+        None => (http::router(state), None),
+    };
+    let http = axum::serve(listeners.http.tap_io(set_nodelay), router)
+        .with_graceful_shutdown(stopped(stop.clone()));
+    let admin_stop = stopped(stop.clone());
+    let admin = tokio::spawn(async move {
+        match admin {
+            Some((listener, router)) => {
+                axum::serve(listener.tap_io(set_nodelay), router)
+                    .with_graceful_shutdown(admin_stop)
+                    .await
+            }
+            // No admin listener: a task that ends only at shutdown.
+            None => {
+                admin_stop.await;
+                Ok(())
+            }
+        }
+    });
+    Ok(Servers {
+        grpc: tokio::spawn(grpc),
+        http: tokio::spawn(async move { http.await }),
+        admin,
+        health,
+    })
+}
+
+/// Accepted gRPC connections with TCP_NODELAY. A response leaves as several
+/// small writes (headers, data, trailers); with Nagle's algorithm the last
+/// one waits for the client's delayed ACK, 40 ms on Linux, which is longer
+/// than Envoy's default RLS timeout. Serving a bound listener bypasses
+/// tonic's own default, so it is set here.
+fn accept_nodelay(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// The same for HTTP connections (`/json` answers decisions too).
+fn set_nodelay(stream: &mut tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
+    }
+}
+
+pub(super) async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}

@@ -1,0 +1,17 @@
+//! The system suite: real leasehold processes with their real peers
+//! (redis-server, Envoy, nginx, grpcurl, chromium, promtool). Every test
+//! starts processes, so nextest runs this binary one test at a time.
+//!
+//! - [`e2e`]: the binary's surfaces, Envoy's filter, reload, startup and shutdown;
+//! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
+//! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
+//! - [`operations`]: traces, logs, the admin listener, status page, metrics;
+//! - [`topology`]: the four-replica topology through the local runner.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod e2e;
+mod fault_e2e;
+mod operations;
+mod redis_e2e;
+mod topology;
