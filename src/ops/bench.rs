@@ -91,58 +91,8 @@ pub async fn measure(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let mut callers = tokio::task::JoinSet::new();
     let template = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     for i in 0..args.concurrency {
-        let hist = template.clone();
-        let mut client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
-        let args = args.clone();
-        callers.spawn(async move {
-            let mut r = CallerResult {
-                hist,
-                ok: 0,
-                over: 0,
-                errors: 0,
-                first_error: None,
-            };
-            // A per-caller xorshift spreads callers over the key space
-            // without a shared counter.
-            let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1);
-            while start.elapsed() < run_for {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let value = if args.keys == 1 {
-                    "hot".to_string()
-                } else {
-                    format!("k{}", x % args.keys)
-                };
-                let req = RateLimitRequest {
-                    domain: args.domain.clone(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![Entry {
-                            key: args.key.clone(),
-                            value,
-                        }],
-                        ..Default::default()
-                    }],
-                    hits_addend: args.hits,
-                };
-                let t = Instant::now();
-                let res = client.should_rate_limit(req).await;
-                let us = t.elapsed().as_micros() as u64;
-                let _ = r.hist.record(us.max(1));
-                match res {
-                    Ok(resp) => match Code::try_from(resp.get_ref().overall_code) {
-                        Ok(Code::OverLimit) => r.over += 1,
-                        _ => r.ok += 1,
-                    },
-                    Err(s) => {
-                        r.errors += 1;
-                        r.first_error
-                            .get_or_insert_with(|| format!("{}: {}", s.code(), s.message()));
-                    }
-                }
-            }
-            r
-        });
+        let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
+        callers.spawn(caller(i, client, args.clone(), template.clone(), start, run_for));
     }
     let mut total = template;
     let (mut ok, mut over, mut errors, mut first_error) = (0, 0, 0, None);
@@ -172,6 +122,65 @@ pub async fn measure(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         max_us: total.max(),
         first_error,
     })
+}
+
+/// One closed-loop caller: a call, its latency, the next call, until
+/// `run_for` has passed since `start`.
+async fn caller(
+    i: usize,
+    mut client: RateLimitServiceClient<Channel>,
+    args: BenchArgs,
+    hist: Histogram<u64>,
+    start: Instant,
+    run_for: Duration,
+) -> CallerResult {
+    let mut r = CallerResult {
+        hist,
+        ok: 0,
+        over: 0,
+        errors: 0,
+        first_error: None,
+    };
+    // A per-caller xorshift spreads callers over the key space without a
+    // shared counter.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1);
+    while start.elapsed() < run_for {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let value = if args.keys == 1 {
+            "hot".to_string()
+        } else {
+            format!("k{}", x % args.keys)
+        };
+        let req = RateLimitRequest {
+            domain: args.domain.clone(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: args.key.clone(),
+                    value,
+                }],
+                ..Default::default()
+            }],
+            hits_addend: args.hits,
+        };
+        let t = Instant::now();
+        let res = client.should_rate_limit(req).await;
+        let us = t.elapsed().as_micros() as u64;
+        let _ = r.hist.record(us.max(1));
+        match res {
+            Ok(resp) => match Code::try_from(resp.get_ref().overall_code) {
+                Ok(Code::OverLimit) => r.over += 1,
+                _ => r.ok += 1,
+            },
+            Err(s) => {
+                r.errors += 1;
+                r.first_error
+                    .get_or_insert_with(|| format!("{}: {}", s.code(), s.message()));
+            }
+        }
+    }
+    r
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {

@@ -105,32 +105,81 @@ pub fn verdict(report: &Report) -> String {
 /// Admitted per window against the limit, the outage shaded, as a
 /// self-contained SVG.
 pub fn svg(report: &Report) -> String {
-    let (w, h) = (760.0, 300.0);
-    let (left, right, top, bottom) = (50.0, 56.0, 44.0, 40.0);
-    let n = report.seconds.len().max(1) as f64;
-    let max_y = report
-        .seconds
-        .iter()
-        .map(|s| s.admitted + s.denied)
-        .max()
-        .unwrap_or(0)
-        .max(report.limit * 2) as f64;
-    let plot_w = w - left - right;
-    let plot_h = h - top - bottom;
-    let x = |i: f64| left + plot_w * i / n;
-    let y = |v: f64| top + plot_h * (1.0 - v / max_y);
-    let first = report.seconds.first().map_or(0, |s| s.window_ms);
-    let xt = |ms: u64| x((ms.saturating_sub(first)) as f64 / UNIT_MS as f64);
+    let p = Plot::new(report);
+    let (w, h) = (p.w, p.h);
     let mut out = String::new();
     let _ = writeln!(
         out,
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"##
     );
     let _ = writeln!(out, r##"<rect width="{w}" height="{h}" fill="#ffffff"/>"##);
+    outage_band(&mut out, &p, report);
+    bars(&mut out, &p, report);
+    limit_lines(&mut out, &p, report);
+    axes(&mut out, &p, report);
+    out.push_str("</svg>\n");
+    out
+}
+
+/// The chart's geometry: canvas, margins, and the scales of both axes.
+struct Plot {
+    w: f64,
+    h: f64,
+    left: f64,
+    right: f64,
+    top: f64,
+    plot_w: f64,
+    plot_h: f64,
+    n: f64,
+    max_y: f64,
+    first: u64,
+}
+
+impl Plot {
+    fn new(report: &Report) -> Plot {
+        let (w, h) = (760.0, 300.0);
+        let (left, right, top, bottom) = (50.0, 56.0, 44.0, 40.0);
+        let max_y = report
+            .seconds
+            .iter()
+            .map(|s| s.admitted + s.denied)
+            .max()
+            .unwrap_or(0)
+            .max(report.limit * 2) as f64;
+        Plot {
+            w,
+            h,
+            left,
+            right,
+            top,
+            plot_w: w - left - right,
+            plot_h: h - top - bottom,
+            n: report.seconds.len().max(1) as f64,
+            max_y,
+            first: report.seconds.first().map_or(0, |s| s.window_ms),
+        }
+    }
+
+    fn x(&self, i: f64) -> f64 {
+        self.left + self.plot_w * i / self.n
+    }
+
+    fn y(&self, v: f64) -> f64 {
+        self.top + self.plot_h * (1.0 - v / self.max_y)
+    }
+
+    /// x of a unix time in ms.
+    fn xt(&self, ms: u64) -> f64 {
+        self.x(ms.saturating_sub(self.first) as f64 / UNIT_MS as f64)
+    }
+}
+
+fn outage_band(out: &mut String, p: &Plot, report: &Report) {
+    let (top, plot_h) = (p.top, p.plot_h);
     if report.kill_ms > 0 {
         let (x0, x1) = (
-            xt(report.kill_ms),
-            xt(report.restart_ms.max(report.kill_ms)),
+            p.xt(report.kill_ms),
+            p.xt(report.restart_ms.max(report.kill_ms)),
         );
         let _ = writeln!(
             out,
@@ -144,11 +193,15 @@ pub fn svg(report: &Report) -> String {
             top - 6.0
         );
     }
-    let bar = plot_w / n * 0.7;
+}
+
+fn bars(out: &mut String, p: &Plot, report: &Report) {
+    let top = p.top;
+    let bar = p.plot_w / p.n * 0.7;
     for (i, s) in report.seconds.iter().enumerate() {
-        let bx = x(i as f64) + plot_w / n * 0.15;
-        let denied_top = y((s.admitted + s.denied) as f64);
-        let admitted_top = y(s.admitted as f64);
+        let bx = p.x(i as f64) + p.plot_w / p.n * 0.15;
+        let denied_top = p.y((s.admitted + s.denied) as f64);
+        let admitted_top = p.y(s.admitted as f64);
         let _ = writeln!(
             out,
             r##"<rect class="denied" x="{bx:.1}" y="{denied_top:.1}" width="{bar:.1}" height="{:.1}" fill="#d0d0d0"><title>t={} denied {}</title></rect>"##,
@@ -159,12 +212,16 @@ pub fn svg(report: &Report) -> String {
         let _ = writeln!(
             out,
             r##"<rect class="admitted" x="{bx:.1}" y="{admitted_top:.1}" width="{bar:.1}" height="{:.1}" fill="{}"><title>t={} admitted {}</title></rect>"##,
-            (top + plot_h - admitted_top).max(0.0),
+            (top + p.plot_h - admitted_top).max(0.0),
             if s.redis_up { "#3b7dd8" } else { "#e08a1e" },
             s.t,
             s.admitted
         );
     }
+}
+
+fn limit_lines(out: &mut String, p: &Plot, report: &Report) {
+    let (w, left, right) = (p.w, p.left, p.right);
     for (v, label, dash, dy) in [
         (report.limit as f64, "L", "", 12.0),
         (
@@ -178,19 +235,23 @@ pub fn svg(report: &Report) -> String {
             out,
             r##"<line class="limit" x1="{left}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="#222"{dash}/><text x="{:.1}" y="{:.1}">{label}</text>"##,
             w - right,
-            y(v),
-            y(v),
+            p.y(v),
+            p.y(v),
             w - right + 4.0,
-            y(v) + dy
+            p.y(v) + dy
         );
     }
+}
+
+fn axes(out: &mut String, p: &Plot, report: &Report) {
+    let (w, h, left, right, top, max_y) = (p.w, p.h, p.left, p.right, p.top, p.max_y);
     for (i, s) in report.seconds.iter().enumerate() {
         if s.t % 5 == 0 {
             let _ = writeln!(
                 out,
                 r##"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                x(i as f64 + 0.5),
-                top + plot_h + 14.0,
+                p.x(i as f64 + 0.5),
+                top + p.plot_h + 14.0,
                 s.t
             );
         }
@@ -198,10 +259,10 @@ pub fn svg(report: &Report) -> String {
     let _ = writeln!(
         out,
         r##"<line x1="{left}" x2="{left}" y1="{top}" y2="{:.1}" stroke="#222"/><line x1="{left}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="#222"/>"##,
-        top + plot_h,
+        top + p.plot_h,
         w - right,
-        top + plot_h,
-        top + plot_h
+        top + p.plot_h,
+        top + p.plot_h
     );
     let _ = writeln!(
         out,
@@ -211,9 +272,7 @@ pub fn svg(report: &Report) -> String {
     let _ = writeln!(
         out,
         r##"<text x="{:.1}" y="{:.1}" text-anchor="middle">seconds</text><text x="8" y="{top}">{max_y:.0}</text>"##,
-        left + plot_w / 2.0,
+        left + p.plot_w / 2.0,
         h - 8.0
     );
-    out.push_str("</svg>\n");
-    out
 }
