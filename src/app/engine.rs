@@ -1,17 +1,18 @@
 //! Building the engine from settings: the in-memory engine without a Redis
 //! URL; with one, the Redis engine (connected without waiting, this replica
-//! registered) wrapped in the resilient engine with its journal. The
-//! background loops each needs are spawned onto the caller's task set.
+//! registered) wrapped in the resilient engine with its journal, and the
+//! loops they need ([`RedisLoops`]), stopped in their own order.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::task::JoinHandle;
 
 use crate::clock::{Clock, SystemClock};
 use crate::engine::resilient::journal::Journal;
+use crate::engine::resilient::FINAL_REPLAY_MS;
 use crate::engine::{Engine, MemoryEngine, RedisEngine, ResilientEngine};
 use crate::metrics::Metrics;
 use crate::redis::membership::Membership;
@@ -22,6 +23,30 @@ use crate::settings::Settings;
 pub(super) struct Built {
     pub engine: Arc<dyn Engine>,
     pub redis: Option<Arc<Redis>>,
+    /// The Redis engine's own loops, stopped after the servers drained.
+    pub loops: Option<RedisLoops>,
+}
+
+/// The resilient engine's loop and the membership heartbeat, each with its
+/// own stop: the engine's last round (replay, journal) runs after the
+/// servers have drained and before this replica leaves the member set.
+pub(super) struct RedisLoops {
+    engine_stop: watch::Sender<bool>,
+    engine: JoinHandle<()>,
+    members_stop: watch::Sender<bool>,
+    members: JoinHandle<()>,
+}
+
+impl RedisLoops {
+    pub async fn stop(self) {
+        let _ = self.engine_stop.send(true);
+        let limit = Duration::from_millis(FINAL_REPLAY_MS + 2_000);
+        if tokio::time::timeout(limit, self.engine).await.is_err() {
+            tracing::warn!("the engine's last round did not finish in time");
+        }
+        let _ = self.members_stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.members).await;
+    }
 }
 
 pub(super) async fn build(
@@ -29,19 +54,19 @@ pub(super) async fn build(
     replica_id: &str,
     memory: Arc<MemoryEngine>,
     metrics: &Metrics,
-    tasks: &mut JoinSet<()>,
-    stop: &watch::Receiver<bool>,
 ) -> anyhow::Result<Built> {
     let Some(url) = &settings.redis_url else {
         return Ok(Built {
             engine: memory,
             redis: None,
+            loops: None,
         });
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let boot = format!("{:x}", clock.now_ms());
     let (redis_engine, redis) = redis_engine(settings, url, replica_id, boot).await?;
-    tasks.spawn(redis_engine.membership().clone().run(stop.clone()));
+    let (members_stop, members_rx) = watch::channel(false);
+    let members = tokio::spawn(redis_engine.membership().clone().run(members_rx));
     let journal = match &settings.journal_dir {
         Some(dir) => Some(
             Journal::open(dir, replica_id)
@@ -56,10 +81,17 @@ pub(super) async fn build(
         journal,
     ));
     resilient.set_redis_call_histogram(metrics.redis_call_histogram());
-    tasks.spawn(resilient.clone().run(stop.clone()));
+    let (engine_stop, engine_rx) = watch::channel(false);
+    let engine = tokio::spawn(resilient.clone().run(engine_rx));
     Ok(Built {
         engine: resilient,
         redis: Some(redis),
+        loops: Some(RedisLoops {
+            engine_stop,
+            engine,
+            members_stop,
+            members,
+        }),
     })
 }
 

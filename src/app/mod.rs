@@ -69,15 +69,7 @@ pub async fn run(
         Metrics::new(settings.metrics_detailed_max_series).context("registering metrics")?,
     );
     let memory = Arc::new(MemoryEngine::new(Arc::new(SystemClock)));
-    let built = engine::build(
-        &settings,
-        &replica_id,
-        memory.clone(),
-        &metrics,
-        &mut tasks,
-        &stop_rx,
-    )
-    .await?;
+    let built = engine::build(&settings, &replica_id, memory.clone(), &metrics).await?;
 
     let reload = Arc::new(ReloadStatus::default());
     reload
@@ -126,7 +118,12 @@ pub async fn run(
         r = &mut servers.http => anyhow::bail!("HTTP server stopped unexpectedly: {r:?}"),
         r = &mut servers.admin => anyhow::bail!("admin HTTP server stopped unexpectedly: {r:?}"),
     }
-    shutdown::in_order(&settings, servers, &health, stop_tx, tasks, built.redis).await;
+    let background = shutdown::Background {
+        tasks,
+        redis_loops: built.loops,
+        redis: built.redis,
+    };
+    shutdown::in_order(&settings, servers, &health, stop_tx, background).await;
     Ok(())
 }
 

@@ -1,7 +1,9 @@
 //! The shutdown order: report NOT_SERVING (gRPC health and /readyz) so
 //! balancers move away, wait `shutdown_delay_ms` for them to notice, stop
-//! accepting and drain in-flight calls within `shutdown_grace_ms`, then stop
-//! the background loops (membership leaves the member set) and close Redis.
+//! accepting and drain in-flight calls within `shutdown_grace_ms`, then the
+//! engine's last round (a bounded replay of lease grants, a last journal
+//! write: it covers the drain), then leave the member set, stop the other
+//! loops and close Redis.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,16 +16,29 @@ use crate::http::Health;
 use crate::redis::Redis;
 use crate::settings::Settings;
 
+use super::engine::RedisLoops;
 use super::serve::Servers;
+
+/// What runs behind the servers, stopped after them.
+pub(super) struct Background {
+    /// Rules reload and the expiry sweep (they stop with the servers).
+    pub tasks: JoinSet<()>,
+    pub redis_loops: Option<RedisLoops>,
+    pub redis: Option<Arc<Redis>>,
+}
 
 pub(super) async fn in_order(
     settings: &Settings,
     mut servers: Servers,
     health: &Health,
     stop: watch::Sender<bool>,
-    mut tasks: JoinSet<()>,
-    redis: Option<Arc<Redis>>,
+    background: Background,
 ) {
+    let Background {
+        mut tasks,
+        redis_loops,
+        redis,
+    } = background;
     tracing::info!("shutting down: reporting NOT_SERVING");
     health.set_draining();
     servers.report(ServingStatus::NotServing).await;
@@ -45,7 +60,9 @@ pub(super) async fn in_order(
         servers.http.abort();
         servers.admin.abort();
     }
-    // Background loops see the stop signal; membership leaves the member set.
+    if let Some(loops) = redis_loops {
+        loops.stop().await;
+    }
     if tokio::time::timeout(Duration::from_secs(2), async {
         while tasks.join_next().await.is_some() {}
     })

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use crate::domain::{Batch, Charge};
+use crate::domain::{Batch, Charge, MAX_HITS};
 use crate::key::CounterKey;
 use crate::limit::{LimitSpec, Role};
 use crate::rules::{Domain, Matched};
@@ -96,7 +96,7 @@ pub(super) fn plan(req: &Request, domain: &Domain, settings: &DecisionSettings) 
                     batch.charges.push(Charge {
                         key: t.key,
                         spec: t.spec,
-                        hits: req.hits_of(d),
+                        hits: req.hits_of(d).min(MAX_HITS),
                         refund: d.refund,
                         role: role(t.shadow, t.quota),
                     });

@@ -8,6 +8,11 @@ pub mod backend;
 use crate::key::CounterKey;
 use crate::limit::{LimitSpec, Outcome, Role};
 
+/// The most hits one charge counts, on every path (Redis, lease, memory):
+/// larger requests are over any `u32` limit anyway, and the bound keeps
+/// every sum of charges far inside `i64` (Redis's integers).
+pub const MAX_HITS: u64 = 1_000_000_000_000;
+
 /// One descriptor's part of a request, as the engine sees it.
 #[derive(Clone, Debug)]
 pub struct Charge {

@@ -141,7 +141,7 @@ impl RedisEngine {
             expected,
         };
         let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
-        match self.redis.decide(keys, args).await {
+        match self.redis.decide(keys, args, affinity(batch)).await {
             Ok(reply) => {
                 scripts::decode_decide(&reply, batch.charges.len()).map_err(CallError::Reply)
             }
@@ -259,4 +259,14 @@ impl Engine for RedisEngine {
     fn status(&self) -> EngineStatus {
         EngineStatus::Redis(Box::new(self.redis_status()))
     }
+}
+
+/// The connection affinity of a batch: a hash of its first counter key.
+fn affinity(batch: &Batch) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    if let Some(c) = batch.charges.first() {
+        c.key.as_str().hash(&mut h);
+    }
+    h.finish()
 }

@@ -92,7 +92,14 @@ pub async fn measure(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     let template = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     for i in 0..args.concurrency {
         let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
-        callers.spawn(caller(i, client, args.clone(), template.clone(), start, run_for));
+        callers.spawn(caller(
+            i,
+            client,
+            args.clone(),
+            template.clone(),
+            start,
+            run_for,
+        ));
     }
     let mut total = template;
     let (mut ok, mut over, mut errors, mut first_error) = (0, 0, 0, None);

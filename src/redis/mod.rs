@@ -8,6 +8,7 @@ pub mod keys;
 pub mod membership;
 pub mod scripts;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -160,17 +161,25 @@ impl Redis {
     /// Runs a script by SHA within `deadline`, loading it on NOSCRIPT. A
     /// call that provably never left (no connected client) is retried until
     /// the deadline, so a Redis restart shorter than the deadline costs
-    /// latency, not an error.
+    /// latency, not an error. `affinity` picks the connection (see
+    /// [`Redis::decide`]); None takes the next connected one.
     async fn eval(
         &self,
         script: &Script,
         keys: Vec<String>,
         args: Vec<String>,
         deadline: Duration,
+        affinity: Option<u64>,
     ) -> Result<Value, CallError> {
+        // Set once a call was written to a connection: from then on, a
+        // timeout may hide an execution, whatever state the pool is in now.
+        let sent = AtomicBool::new(false);
         let attempt = async {
             loop {
-                match self.eval_once(script, keys.clone(), args.clone()).await {
+                match self
+                    .eval_once(script, keys.clone(), args.clone(), affinity, &sent)
+                    .await
+                {
                     Err(CallError::NotConnected(_)) => {
                         tokio::time::sleep(Duration::from_millis(5)).await
                     }
@@ -180,18 +189,29 @@ impl Redis {
         };
         match tokio::time::timeout(deadline, attempt).await {
             Ok(result) => result,
-            Err(_) => {
-                let client = self.pool.next();
-                if client.is_connected() {
-                    Err(CallError::Timeout(deadline))
+            Err(_) if sent.load(Ordering::SeqCst) => Err(CallError::Timeout(deadline)),
+            Err(_) => Err(CallError::NotConnected(format!(
+                "{} (no connection within {deadline:?})",
+                self.display_url
+            ))),
+        }
+    }
+
+    /// The connection for a call: with an affinity, always the same one
+    /// while it is connected, so calls for one key reach Redis in the order
+    /// they were sent.
+    fn client(&self, affinity: Option<u64>) -> &Client {
+        let clients = self.pool.clients();
+        match affinity {
+            Some(a) if !clients.is_empty() => {
+                let c = &clients[(a % clients.len() as u64) as usize];
+                if c.is_connected() {
+                    c
                 } else {
-                    Err(CallError::NotConnected(format!(
-                        "{} ({:?})",
-                        self.display_url,
-                        client.state()
-                    )))
+                    self.pool.next_connected()
                 }
             }
+            _ => self.pool.next_connected(),
         }
     }
 
@@ -200,8 +220,10 @@ impl Redis {
         script: &Script,
         keys: Vec<String>,
         args: Vec<String>,
+        affinity: Option<u64>,
+        sent: &AtomicBool,
     ) -> Result<Value, CallError> {
-        let client = self.pool.next_connected();
+        let client = self.client(affinity);
         if !client.is_connected() {
             return Err(CallError::NotConnected(format!(
                 "{} ({:?})",
@@ -214,6 +236,7 @@ impl Redis {
             fail_fast: true,
             ..Default::default()
         });
+        sent.store(true, Ordering::SeqCst);
         let result = match client
             .evalsha::<Value, _, _, _>(&script.sha, keys.clone(), args.clone())
             .await
@@ -247,12 +270,19 @@ impl Redis {
     }
 
     /// Runs the decision script. The reply is the script's flat integer array.
+    /// Runs the decision script. Calls with the same `affinity` (the
+    /// caller passes a hash of the first counter key) share a connection, so
+    /// Redis runs them in the order they were sent: a refund sent after a
+    /// charge cannot run before it and make it see its own field lowered.
     pub async fn decide(
         &self,
         keys: Vec<String>,
         args: Vec<String>,
+        affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
-        let value = self.eval(&self.decide, keys, args, self.deadline).await?;
+        let value = self
+            .eval(&self.decide, keys, args, self.deadline, Some(affinity))
+            .await?;
         integers(value)
     }
 
@@ -263,7 +293,7 @@ impl Redis {
         args: Vec<String>,
         deadline: Duration,
     ) -> Result<Vec<i64>, CallError> {
-        let value = self.eval(&self.replay, keys, args, deadline).await?;
+        let value = self.eval(&self.replay, keys, args, deadline, None).await?;
         integers(value)
     }
 
@@ -274,7 +304,7 @@ impl Redis {
         args: Vec<String>,
         deadline: Duration,
     ) -> Result<Vec<Value>, CallError> {
-        match self.eval(&self.members, keys, args, deadline).await? {
+        match self.eval(&self.members, keys, args, deadline, None).await? {
             Value::Array(items) => Ok(items),
             other => Err(CallError::Reply(format!("{other:?}"))),
         }

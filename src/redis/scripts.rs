@@ -29,7 +29,7 @@ pub fn replay_sha() -> String {
 /// Hits above this are clamped before they reach Lua (whose numbers are
 /// doubles and whose integer formatting stops at 10^14): such a charge is
 /// over any u32 limit anyway.
-pub const MAX_HITS: u64 = 1_000_000_000_000;
+pub use crate::domain::MAX_HITS;
 
 /// Replay entries per script call (one call holds one hash slot's keys).
 pub const REPLAY_BATCH: usize = 200;

@@ -770,3 +770,74 @@ async fn replay_replies_lost_mid_replay_never_count_twice() {
     let per_window = admitted(&samples);
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
+
+/// SIGTERM while this replica decides on its lease: the last round replays
+/// what it granted when Redis answers again, and says what it could not
+/// save when Redis does not. Default settings, except a 30 s probe interval
+/// so that only the shutdown's own attempt can reach Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_replays_lease_grants_or_says_what_was_lost() {
+    let dir = test_dir("term-final");
+    let redis = RedisServer::start("redis", &dir);
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("t.yaml"), "domain: t\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n").expect("write");
+    let url = redis.url();
+    let env = [
+        ("LEASEHOLD_REDIS_URL", url.as_str()),
+        ("LEASEHOLD_BREAKER_PROBE_INTERVAL_MS", "30000"),
+        ("LEASEHOLD_BREAKER_PROBE_JITTER_MS", "100"),
+    ];
+    let into = now_ms() % 60_000;
+    if into > 40_000 {
+        tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
+    }
+    let window = now_ms() / 60_000;
+    let key = format!("lh:{{t}}|k=v#60:fw@{window}");
+    for (round, id) in ["replayed", "lost"].into_iter().enumerate() {
+        let rep = tokio::task::block_in_place(|| {
+            Leasehold::start(id, &rules, &["--replica-id", id], &env, &dir)
+        });
+        let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
+            .await
+            .expect("connect");
+        // Redis hangs: calls time out, the breaker trips, grants go on the
+        // lease.
+        redis.proc.signal("STOP").expect("signal STOP");
+        let mut local = 0;
+        for _ in 0..40 {
+            let r = client
+                .should_rate_limit(single("t", &[("k", "v")]))
+                .await
+                .expect("answered")
+                .into_inner();
+            assert_eq!(r.overall_code, Code::Ok as i32);
+            local += 1;
+        }
+        if round == 0 {
+            redis.proc.signal("CONT").expect("signal CONT");
+        }
+        let mut rep = rep;
+        rep.proc.signal("TERM").expect("signal TERM");
+        let status = tokio::task::block_in_place(|| rep.proc.wait_exit(Duration::from_secs(8)));
+        let log = rep.proc.log_text();
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+        if round == 0 {
+            assert!(log.contains("every lease grant is in Redis"), "{log}");
+            // Calls that timed out run late when Redis resumes; the last
+            // round's repair overwrites them, so Redis holds the grants.
+            assert_eq!(
+                redis_total(&redis, &key),
+                Some(local),
+                "the last round replayed every lease grant"
+            );
+        } else {
+            assert!(
+                log.contains("lease grants could not be saved")
+                    && log.contains(&format!("hits={local}")),
+                "the log says how many hits were lost: {log}"
+            );
+            redis.proc.signal("CONT").expect("signal CONT");
+        }
+    }
+}

@@ -646,3 +646,61 @@ async fn a_live_duplicate_replica_id_is_refused() {
         second.log_text()
     );
 }
+
+/// Refunds racing charges on one key from one replica: a refund lowers the
+/// replica's field before its reply arrives, which must not read as Redis
+/// losing data (that would re-assert every key and keep the replica off
+/// Redis). A 250 ms budget: this test is about the data-loss check, not
+/// about a slow Redis, so no call may time out on this busy machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refunds_racing_charges_are_not_data_loss() {
+    let dir = test_dir("refund-race");
+    let redis = RedisServer::start("redis", &dir);
+    let rules = rules(
+        &dir,
+        "domain: r\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000000000}\n",
+    );
+    let url = redis.url();
+    let env = redis_env(&url, "250");
+    let server = tokio::task::block_in_place(|| {
+        Leasehold::start("r1", &rules, &["--replica-id", "r1"], &env, &dir)
+    });
+    wait_for_room(60_000, 10_000).await;
+    let window = now_ms() / 60_000;
+    let mut c = client(&server).await;
+    let mut first = single("r", &[("k", "v")]);
+    first.hits_addend = 100_000;
+    c.should_rate_limit(first).await.expect("pre-charge");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..32 {
+        let mut c = c.clone();
+        tasks.spawn(async move {
+            let refund = i % 2 == 1;
+            let mut req = single("r", &[("k", "v")]);
+            req.descriptors[0].hits_addend = Some(1);
+            req.descriptors[0].is_negative_hits = refund;
+            let mut n = 0i64;
+            let until = Instant::now() + Duration::from_millis(2_000);
+            while Instant::now() < until {
+                c.should_rate_limit(req.clone()).await.expect("answered");
+                n += 1;
+            }
+            if refund {
+                -n
+            } else {
+                n
+            }
+        });
+    }
+    let mut net = 100_000i64;
+    while let Some(n) = tasks.join_next().await {
+        net += n.expect("task");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&get(server.http, "/status").expect("status").body).expect("json");
+    let engine = &status["engine"];
+    assert_eq!(engine["replay"]["data_loss_detected"], 0, "{engine}");
+    assert_eq!(engine["decisions"]["local"], 0, "{engine}");
+    let key = format!("lh:{{r}}|k=v#60:fw@{window}");
+    assert_eq!(window_total(&redis, &key), net, "Redis = charges − refunds");
+}

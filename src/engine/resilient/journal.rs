@@ -111,18 +111,33 @@ impl Journal {
     }
 }
 
+/// One restored window of lease grants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restored {
+    pub key: CounterKey,
+    pub spec: LimitSpec,
+    pub window: u64,
+    pub local_own: i64,
+}
+
 /// Restores a previous run's unreplayed lease grants into the ledger (live
-/// windows only), where they are replayed like any others.
-pub fn restore(journal: &Journal, ledger: &Ledger, now_ms: u64, margin_ms: u64) {
+/// windows only), where they are replayed like any others, and returns them
+/// so that the leases can start from them too.
+pub fn restore(journal: &Journal, ledger: &Ledger, now_ms: u64, margin_ms: u64) -> Vec<Restored> {
+    let mut restored = Vec::new();
     match journal.load() {
         Ok(entries) => {
-            let mut restored = 0;
             for e in &entries {
                 match e.decode() {
                     Some((key, spec, window, local_own)) => {
                         if window_live(&spec, window, now_ms, margin_ms) {
                             ledger.restore_local(&key, &spec, window, now_ms, local_own);
-                            restored += 1;
+                            restored.push(Restored {
+                                key,
+                                spec,
+                                window,
+                                local_own,
+                            });
                         }
                     }
                     None => {
@@ -131,11 +146,12 @@ pub fn restore(journal: &Journal, ledger: &Ledger, now_ms: u64, margin_ms: u64) 
                 }
             }
             if !entries.is_empty() {
-                tracing::info!(path = %journal.path().display(), restored, "restored unreplayed lease grants from the journal");
+                tracing::info!(path = %journal.path().display(), restored = restored.len(), "restored unreplayed lease grants from the journal");
             }
         }
         Err(e) => tracing::error!(error = %e, "cannot read the journal; starting without it"),
     }
+    restored
 }
 
 #[cfg(test)]

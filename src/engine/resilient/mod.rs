@@ -44,14 +44,15 @@ use tokio::sync::Notify;
 
 use super::{Engine, EngineStatus, MemoryEngine};
 use crate::clock::Clock;
-use crate::domain::backend::{Backend, RawReply};
-use crate::domain::{Batch, BatchOutcome, Charge, DecisionPath, EngineError};
+use crate::domain::backend::{Backend, CallError, RawReply};
+use crate::domain::{Batch, BatchOutcome, Charge, DecisionPath, EngineError, MAX_HITS};
+use crate::limit::Role;
 use breaker::{Breaker, BreakerConfig, BreakerState, Transition};
 use journal::Journal;
 use lease::{lease_share, lease_spec};
 use ledger::{window_of, Ledger};
 
-pub use recovery::Recovery;
+pub use recovery::{Recovery, FINAL_REPLAY_MS};
 pub use status::{BreakerView, DecisionCounts, LeaseView, LedgerView, ReplayView, ResilientStatus};
 
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +84,9 @@ pub struct Stats {
     /// Time spent in replay calls, microseconds.
     pub replay_micros: AtomicU64,
     pub data_loss_detected: AtomicU64,
+    /// "Lost" answers not taken as data loss because a refund of this
+    /// replica may have run on the key first.
+    pub loss_checks_skipped: AtomicU64,
 }
 
 pub struct ResilientEngine {
@@ -135,7 +139,8 @@ impl ResilientEngine {
             redis_call_seconds: OnceLock::new(),
         };
         if let Some(journal) = &engine.journal {
-            journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
+            let restored = journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
+            engine.seed_leases(&restored, now);
         }
         engine
     }
@@ -151,6 +156,29 @@ impl ResilientEngine {
 
     pub fn breaker_state(&self) -> BreakerState {
         self.breaker.lock().state()
+    }
+
+    /// A restarted replica's leases start from what it had already granted
+    /// in the current window, not from zero: otherwise every restart during
+    /// an outage would admit another full share. The ledger already holds
+    /// the same usage for replay, so nothing is recorded twice.
+    fn seed_leases(&self, restored: &[journal::Restored], now_ms: u64) {
+        for r in restored {
+            if r.local_own <= 0 || r.window != window_of(&r.spec, now_ms) {
+                continue;
+            }
+            let seed = Batch {
+                charges: vec![Charge {
+                    key: r.key.clone(),
+                    spec: r.spec,
+                    hits: (r.local_own as u64).min(MAX_HITS),
+                    refund: false,
+                    role: Role::Shadow,
+                }],
+                never_deny: true,
+            };
+            let _ = self.local.apply_detailed(&seed, now_ms);
+        }
     }
 
     fn redis_now(&self, local_ms: u64) -> u64 {
@@ -194,6 +222,14 @@ impl ResilientEngine {
 
     async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Option<BatchOutcome> {
         let redis_now = self.redis_now(now);
+        let marks: Vec<(u64, bool)> = batch
+            .charges
+            .iter()
+            .map(|c| self.ledger.refund_mark(&c.key))
+            .collect();
+        for c in &batch.charges {
+            self.ledger.note_issue(&c.key, &c.spec, now, c.refund);
+        }
         let expected: Vec<(i64, u64)> = batch
             .charges
             .iter()
@@ -202,14 +238,47 @@ impl ResilientEngine {
                 (self.ledger.expected(&c.key, w), w)
             })
             .collect();
-        for c in &batch.charges {
-            self.ledger.note_issue(&c.key, &c.spec, now);
-        }
         let started = std::time::Instant::now();
         let result = self.backend.decide(batch, &expected).await;
         if let Some(h) = self.redis_call_seconds.get() {
             h.observe(started.elapsed().as_secs_f64());
         }
+        // A "lost" answer is evidence only if no refund of this replica can
+        // have run on the key between `expected` being read and the call.
+        let refunds_moved = batch
+            .charges
+            .iter()
+            .zip(&marks)
+            .any(|(c, &(sent, in_flight))| {
+                in_flight || c.refund || self.ledger.refund_mark(&c.key).0 != sent
+            });
+        let result = result.map(|mut reply| {
+            if reply.lost && refunds_moved {
+                reply.lost = false;
+                self.stats
+                    .loss_checks_skipped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            reply
+        });
+        let outcome = self.settle_call(batch, result, now);
+        // After the reply's deltas are recorded (or the key marked suspect),
+        // so the confirmed count already includes this call's refund.
+        for c in &batch.charges {
+            self.ledger.note_answered(&c.key, c.refund);
+        }
+        outcome
+    }
+
+    /// A backend call's result: the outcome on a reply; on a failure the
+    /// keys become suspect if the call may have run, and the breaker hears
+    /// of it.
+    fn settle_call(
+        &self,
+        batch: &Batch,
+        result: Result<RawReply, CallError>,
+        now: u64,
+    ) -> Option<BatchOutcome> {
         match result {
             Ok(reply) => {
                 self.breaker.lock().on_success();
@@ -265,6 +334,9 @@ impl ResilientEngine {
                     let share = lease_share(demand, members, self.cfg.lease_min_share);
                     Charge {
                         spec: lease_spec(&c.spec, share, remaining),
+                        // As on the Redis path, so that local sums stay far
+                        // inside i64 and replay never overflows a field.
+                        hits: c.hits.min(MAX_HITS),
                         ..c.clone()
                     }
                 })

@@ -18,6 +18,8 @@ use super::ResilientEngine;
 /// Ledger sweeps and journal writes happen at most this often.
 const SWEEP_EVERY_MS: u64 = 1_000;
 const JOURNAL_EVERY_MS: u64 = 100;
+/// The bound on the last replay attempt at shutdown.
+pub const FINAL_REPLAY_MS: u64 = 1_000;
 
 /// What the loop remembers between ticks.
 #[derive(Debug, Default)]
@@ -30,6 +32,8 @@ pub struct Recovery {
 
 impl ResilientEngine {
     /// The background loop until `stop`.
+    /// `stop` comes after the servers have drained, so the final round
+    /// ([`Self::finish`]) covers every grant made while draining.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut recovery = Recovery::default();
         loop {
@@ -37,8 +41,54 @@ impl ResilientEngine {
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = self.wake.notified() => {}
-                _ = stop.wait_for(|s| *s) => return,
+                _ = stop.wait_for(|s| *s) => break,
             }
+        }
+        self.finish(&mut recovery).await;
+    }
+
+    /// The last round before exit: one attempt, bounded by
+    /// [`FINAL_REPLAY_MS`], to replay what the leases granted (probing first
+    /// when tripped), then a last journal write, and one log line saying
+    /// what neither saved.
+    pub async fn finish(&self, r: &mut Recovery) {
+        let attempt = async {
+            if self.breaker_state() == BreakerState::Tripped {
+                self.probe().await;
+            }
+            let state = self.breaker_state();
+            if state != BreakerState::Tripped {
+                self.replay_round(state).await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_millis(FINAL_REPLAY_MS), attempt).await;
+        if self.journal.is_some() {
+            self.write_journal(&mut r.journaled).await;
+        }
+        let (keys, hits, _) = self.ledger.pending();
+        let dropped = self
+            .ledger
+            .dropped_usage
+            .load(std::sync::atomic::Ordering::Relaxed);
+        match (hits, &self.journal) {
+            (0, _) => tracing::info!("stopping: every lease grant is in Redis"),
+            (_, Some(j)) => tracing::warn!(
+                hits,
+                keys,
+                journal = %j.path().display(),
+                "stopping: lease grants not replayed to Redis; journaled for the next start"
+            ),
+            (_, None) => tracing::error!(
+                hits,
+                keys,
+                "stopping: lease grants could not be saved (Redis did not take them and no journal_dir is set); they are lost"
+            ),
+        }
+        if dropped > 0 {
+            tracing::error!(
+                hits = dropped,
+                "stopping: usage the full ledger could not keep was lost"
+            );
         }
     }
 

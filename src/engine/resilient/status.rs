@@ -74,6 +74,8 @@ pub struct ReplayView {
     pub runs: u64,
     pub entries: u64,
     pub data_loss_detected: u64,
+    /// "Lost" answers set aside: a refund of this replica may have run first.
+    pub loss_checks_skipped: u64,
     /// Time spent in replay calls.
     pub seconds: f64,
 }
@@ -147,6 +149,7 @@ impl ResilientEngine {
                 runs: stat(&self.stats.replay_runs),
                 entries: stat(&self.stats.replayed_entries),
                 data_loss_detected: stat(&self.stats.data_loss_detected),
+                loss_checks_skipped: stat(&self.stats.loss_checks_skipped),
                 seconds: stat(&self.stats.replay_micros) as f64 / 1e6,
             },
             live_members: self.backend.members().live,

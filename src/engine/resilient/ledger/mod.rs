@@ -57,6 +57,13 @@ struct Entry {
     version: u64,
     last_issue_ms: u64,
     touched_ms: u64,
+    /// Redis-path calls with a refund for this key sent and not yet
+    /// answered. A refund lowers this replica's field before its reply
+    /// lowers the confirmed count, so meanwhile a field below the confirmed
+    /// count is no sign of data loss.
+    refunds_in_flight: u32,
+    /// Refund calls ever sent for this key (see [`Ledger::refund_mark`]).
+    refunds_sent: u64,
 }
 
 impl Entry {
@@ -70,6 +77,8 @@ impl Entry {
             version: 0,
             last_issue_ms: 0,
             touched_ms: now_ms,
+            refunds_in_flight: 0,
+            refunds_sent: 0,
         }
     }
 
@@ -90,8 +99,12 @@ impl Entry {
     fn unreplayed(&self) -> i64 {
         self.windows
             .iter()
-            .map(|w| (w.local_own - w.local_replayed).abs())
-            .sum()
+            .map(|w| {
+                w.local_own
+                    .saturating_sub(w.local_replayed)
+                    .saturating_abs()
+            })
+            .fold(0, i64::saturating_add)
     }
 
     fn needs_replay(&self) -> bool {
@@ -207,10 +220,13 @@ impl Ledger {
 
     /// This replica's confirmed Redis-path count for `key` in `window`, or
     /// -1 when unknown (the script's data-loss check).
+    /// This replica's confirmed count for the data-loss check, or -1 (no
+    /// check) when unknown or while a refund for the key is in flight.
     pub fn expected(&self, key: &CounterKey, window: u64) -> i64 {
         self.shard(key)
             .lock()
             .get(key)
+            .filter(|e| e.refunds_in_flight == 0)
             .and_then(|e| {
                 e.windows
                     .iter()
@@ -225,12 +241,38 @@ impl Ledger {
         self.shard(key).lock().get(key).is_some_and(|e| e.suspect)
     }
 
-    pub fn note_issue(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64) {
-        if self
-            .with_entry(key, spec, now_ms, |e| e.last_issue_ms = now_ms)
-            .is_none()
-        {
+    /// A Redis-path call for the key is about to be sent.
+    pub fn note_issue(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64, refund: bool) {
+        let noted = self.with_entry(key, spec, now_ms, |e| {
+            e.last_issue_ms = now_ms;
+            e.refunds_in_flight += u32::from(refund);
+            e.refunds_sent += u64::from(refund);
+        });
+        if noted.is_none() {
             self.untracked.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Where the key's refunds stand: (refund calls sent so far, whether one
+    /// is in flight). A call's "lost" answer proves data loss only if the
+    /// mark did not move between reading `expected` and the reply: a refund
+    /// in flight meanwhile (this replica's own, on any connection) can have
+    /// lowered the field first.
+    pub fn refund_mark(&self, key: &CounterKey) -> (u64, bool) {
+        self.shard(key)
+            .lock()
+            .get(key)
+            .map_or((0, false), |e| (e.refunds_sent, e.refunds_in_flight > 0))
+    }
+
+    /// The call of [`Self::note_issue`] ended (answered or failed); a call
+    /// that may still run late leaves the key suspect, and a suspect key
+    /// makes no Redis-path calls until a fenced repair.
+    pub fn note_answered(&self, key: &CounterKey, refund: bool) {
+        if refund {
+            if let Some(e) = self.shard(key).lock().get_mut(key) {
+                e.refunds_in_flight = e.refunds_in_flight.saturating_sub(1);
+            }
         }
     }
 
@@ -245,7 +287,8 @@ impl Ledger {
     ) {
         let window = window_of(spec, redis_now_ms);
         self.with_entry(key, spec, now_ms, |e| {
-            e.window_mut(window).redis_own += item.delta;
+            let w = e.window_mut(window);
+            w.redis_own = w.redis_own.saturating_add(item.delta);
             e.last_remaining = Some((window, item.remaining, redis_now_ms));
             if item.own >= 0 && item.total > 0 {
                 e.demand = Some((item.own.min(item.total) as f64) / (item.total as f64));
@@ -278,7 +321,8 @@ impl Ledger {
             return;
         }
         let tracked = self.with_entry(key, spec, now_ms, |e| {
-            e.window_mut(window).local_own += delta;
+            let w = e.window_mut(window);
+            w.local_own = w.local_own.saturating_add(delta);
         });
         if tracked.is_none() {
             self.dropped_usage

@@ -23,7 +23,7 @@ fn key(v: &str) -> (CounterKey, LimitSpec) {
 fn local_usage_replays_by_value_and_only_once() {
     let l = Ledger::new(10);
     let (k, s) = key("a");
-    l.note_issue(&k, &s, 1_000);
+    l.note_issue(&k, &s, 1_000, false);
     l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
     assert_eq!(l.expected(&k, 5), 3);
     assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(97)));
@@ -54,9 +54,9 @@ fn local_usage_replays_by_value_and_only_once() {
 fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
     let l = Ledger::new(10);
     let (k, s) = key("b");
-    l.note_issue(&k, &s, 1_000);
+    l.note_issue(&k, &s, 1_000, false);
     l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
-    l.note_issue(&k, &s, 2_000);
+    l.note_issue(&k, &s, 2_000, false);
     l.mark_suspect(&k, &s, 2_005);
     assert!(l.is_suspect(&k));
     let (plan, waiting) = l.replay_plan(2_050, 7_100, 100, 1_000);
@@ -122,4 +122,25 @@ fn the_cap_keeps_or_counts_every_hit() {
         6,
         "usage is either kept or counted as dropped"
     );
+}
+
+#[test]
+fn no_data_loss_check_while_a_refund_is_in_flight() {
+    let l = Ledger::new(10);
+    let (k, s) = key("r");
+    l.note_issue(&k, &s, 1_000, false);
+    l.record_redis(&k, &s, 5_100, 1_000, &item(5, 95, 5, 5));
+    l.note_answered(&k, false);
+    assert_eq!(l.expected(&k, 5), 5);
+    // A refund is sent: until its reply is recorded, Redis's field may
+    // already be below the confirmed 5.
+    l.note_issue(&k, &s, 1_010, true);
+    assert_eq!(l.expected(&k, 5), -1);
+    l.note_issue(&k, &s, 1_011, true);
+    l.record_redis(&k, &s, 5_120, 1_020, &item(-1, 96, 4, 4));
+    l.note_answered(&k, true);
+    assert_eq!(l.expected(&k, 5), -1, "one refund is still in flight");
+    l.record_redis(&k, &s, 5_130, 1_030, &item(-1, 97, 3, 3));
+    l.note_answered(&k, true);
+    assert_eq!(l.expected(&k, 5), 3, "both refunds confirmed");
 }

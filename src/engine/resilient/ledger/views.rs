@@ -127,7 +127,7 @@ impl Ledger {
             for e in shard.lock().values() {
                 if e.needs_replay() {
                     keys += 1;
-                    hits += e.unreplayed();
+                    hits = e.unreplayed().saturating_add(hits);
                 }
                 suspect += usize::from(e.suspect);
             }

@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 
 use super::super::breaker::{BreakerConfig, BreakerState};
+use super::super::journal::Journal;
 use super::super::{Recovery, ResilientConfig, ResilientEngine};
 use crate::clock::{Clock, ManualClock};
 use crate::domain::backend::{
@@ -202,6 +203,11 @@ pub(super) struct Rig {
 
 impl Rig {
     pub(super) fn new() -> Rig {
+        Rig::with_journal(None)
+    }
+
+    /// A rig whose engine restores (and writes) `journal`.
+    pub(super) fn with_journal(journal: Option<Journal>) -> Rig {
         // Mid-window, so a test's requests share one minute window.
         let clock = Arc::new(ManualClock::new(60_000 * 1_000 + 1_000));
         let fake = Fake::new(clock.clone());
@@ -218,7 +224,7 @@ impl Rig {
                 settle_ms: ResilientConfig::settle_ms(500, 200, DEADLINE_MS),
             },
         };
-        let engine = ResilientEngine::new(fake.clone(), clock.clone(), cfg, None);
+        let engine = ResilientEngine::new(fake.clone(), clock.clone(), cfg, journal);
         Rig {
             clock,
             fake,
@@ -250,6 +256,18 @@ impl Rig {
             *self.granted.entry(key).or_default() += 1;
         }
         outcome.path
+    }
+
+    /// One hit; true when admitted.
+    pub(super) async fn hit_admitted(&mut self, v: &str) -> bool {
+        let before = self.granted.get(&self.key(v)).copied().unwrap_or(0);
+        self.hit(v).await;
+        self.granted.get(&self.key(v)).copied().unwrap_or(0) > before
+    }
+
+    /// The window index of the rig's spec at the clock's time.
+    pub(super) fn clock_window(&self) -> u64 {
+        self.clock.now_ms() / self.spec.unit.millis()
     }
 
     pub(super) async fn tick(&mut self) {
