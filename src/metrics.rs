@@ -46,6 +46,8 @@ pub struct Metrics {
     replay_runs: IntCounter,
     replay_entries: IntCounter,
     redis_failures: IntCounter,
+    unanswered_denials: IntCounter,
+    wrong_denials: IntCounter,
     redis_call_seconds: Histogram,
     replay_seconds: prometheus::Counter,
     lease_members: IntGauge,
@@ -152,6 +154,8 @@ impl Metrics {
             replay_runs: counter(&r, "leasehold_replay_runs_total", "Replay calls that Redis confirmed.")?,
             replay_entries: counter(&r, "leasehold_replay_entries_total", "(key, window) fields written by replay.")?,
             redis_failures: counter(&r, "leasehold_redis_failures_total", "Redis decision calls that failed or missed the deadline.")?,
+            unanswered_denials: counter(&r, "leasehold_unanswered_denials_total", "Requests denied because Redis, though answering, did not answer them within the budget.")?,
+            wrong_denials: counter(&r, "leasehold_wrong_denials_total", "Unanswered denials that Redis admitted when their reply came (their counts are taken back).")?,
             redis_call_seconds,
             replay_seconds: {
                 let c = prometheus::Counter::new("leasehold_replay_duration_seconds_total", "Time spent in replay calls.")?;
@@ -242,6 +246,8 @@ impl Metrics {
             mirror(&self.replay_runs, r.replay.runs);
             mirror(&self.replay_entries, r.replay.entries);
             mirror(&self.redis_failures, r.decisions.redis_failures);
+            mirror(&self.unanswered_denials, r.decisions.unanswered_denials);
+            mirror(&self.wrong_denials, r.decisions.wrong_denials);
             let seen = self.replay_seconds.get();
             if r.replay.seconds > seen {
                 self.replay_seconds.inc_by(r.replay.seconds - seen);

@@ -50,8 +50,16 @@ pub struct Settings {
     pub redis_url: Option<String>,
     /// Prefix of every Redis key leasehold writes (no braces).
     pub redis_prefix: String,
-    /// Budget for one Redis call on the request path, in milliseconds.
+    /// Budget for one Redis call on the request path while Redis is silent
+    /// (nothing answered for 100 ms), in milliseconds.
     pub redis_deadline_ms: u64,
+    /// Budget while Redis is answering (a busy Redis is not an outage):
+    /// a call waits up to this long for its own reply, then the request is
+    /// denied, never granted unseen. At least `redis_deadline_ms`.
+    pub redis_budget_max_ms: u64,
+    /// How long a call past its budget is still awaited, so that its reply
+    /// is folded in instead of leaving its keys in doubt.
+    pub redis_reply_timeout_ms: u64,
     /// Pipelined Redis connections.
     pub redis_pool_size: usize,
     /// Added to every Redis key's natural lifetime, in milliseconds.
@@ -124,6 +132,8 @@ impl Default for Settings {
             redis_url: None,
             redis_prefix: "lh:".into(),
             redis_deadline_ms: 5,
+            redis_budget_max_ms: 15,
+            redis_reply_timeout_ms: 1_000,
             redis_pool_size: 4,
             redis_expiry_margin_ms: 10_000,
             replica_id: None,
@@ -259,6 +269,8 @@ impl Settings {
         }
         for (key, v) in [
             ("redis_deadline_ms", self.redis_deadline_ms),
+            ("redis_budget_max_ms", self.redis_budget_max_ms),
+            ("redis_reply_timeout_ms", self.redis_reply_timeout_ms),
             ("redis_pool_size", self.redis_pool_size as u64),
             ("membership_heartbeat_ms", self.membership_heartbeat_ms),
         ] {
@@ -352,6 +364,7 @@ impl Settings {
     pub fn resilient(&self) -> crate::engine::resilient::ResilientConfig {
         crate::engine::resilient::ResilientConfig {
             deadline_ms: self.redis_deadline_ms,
+            budget_max_ms: self.redis_budget_max_ms.max(self.redis_deadline_ms),
             expiry_margin_ms: self.redis_expiry_margin_ms,
             lease_min_share: self.lease_min_share,
             replicas_hint: self.replicas_hint,

@@ -109,6 +109,7 @@ pub async fn redis_engine(
             url: url.to_owned(),
             pool_size: settings.redis_pool_size,
             deadline: Duration::from_millis(settings.redis_deadline_ms),
+            reply_timeout: Duration::from_millis(settings.redis_reply_timeout_ms),
         })
         .map_err(anyhow::Error::msg)?,
     );

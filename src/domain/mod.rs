@@ -67,6 +67,9 @@ pub enum DecisionPath {
     Memory,
     Redis,
     Local,
+    /// Redis answers, but not this request within the budget: denied
+    /// without a grant anyone else could not see.
+    Unanswered,
 }
 
 impl DecisionPath {
@@ -75,6 +78,7 @@ impl DecisionPath {
             DecisionPath::Memory => "memory",
             DecisionPath::Redis => "redis",
             DecisionPath::Local => "local",
+            DecisionPath::Unanswered => "unanswered",
         }
     }
 }

@@ -24,8 +24,12 @@ pub struct RedisConfig {
     /// redis://[user:password@]host:port[/db] or rediss:// for TLS.
     pub url: String,
     pub pool_size: usize,
-    /// Budget for one call, including a NOSCRIPT reload.
+    /// How long a decision call keeps trying to reach a connection: a call
+    /// that has not left by then provably never ran.
     pub deadline: Duration,
+    /// How long a decision call that left waits for its reply (the caller
+    /// decides without it much sooner, see the resilient engine's budget).
+    pub reply_timeout: Duration,
 }
 
 struct Script {
@@ -47,6 +51,7 @@ pub struct Redis {
     pool: Pool,
     config: Config,
     deadline: Duration,
+    reply_timeout: Duration,
     decide: Script,
     members: Script,
     replay: Script,
@@ -101,6 +106,7 @@ impl Redis {
             pool,
             config,
             deadline: cfg.deadline,
+            reply_timeout: cfg.reply_timeout.max(cfg.deadline),
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),
@@ -158,10 +164,10 @@ impl Redis {
         }
     }
 
-    /// Runs a script by SHA within `deadline`, loading it on NOSCRIPT. A
-    /// call that provably never left (no connected client) is retried until
-    /// the deadline, so a Redis restart shorter than the deadline costs
-    /// latency, not an error. `affinity` picks the connection (see
+    /// Runs a script by SHA, its reply awaited within `deadline`, loading it
+    /// on NOSCRIPT. A call that provably never left (no connected client) is
+    /// retried for half the configured deadline (or `deadline`, if shorter),
+    /// so a Redis restart shorter than that costs latency, not an error. `affinity` picks the connection (see
     /// [`Redis::decide`]); None takes the next connected one.
     async fn eval(
         &self,
@@ -174,13 +180,18 @@ impl Redis {
         // Set once a call was written to a connection: from then on, a
         // timeout may hide an execution, whatever state the pool is in now.
         let sent = AtomicBool::new(false);
+        let started = std::time::Instant::now();
+        // Half the budget: a call that cannot leave is reported as such
+        // while the caller is still waiting, so it decides on a lease at once
+        // instead of taking the silence for a slow answer.
+        let send_within = (self.deadline / 2).min(deadline);
         let attempt = async {
             loop {
                 match self
                     .eval_once(script, keys.clone(), args.clone(), affinity, &sent)
                     .await
                 {
-                    Err(CallError::NotConnected(_)) => {
+                    Err(CallError::NotConnected(_)) if started.elapsed() < send_within => {
                         tokio::time::sleep(Duration::from_millis(5)).await
                     }
                     other => return other,
@@ -281,7 +292,7 @@ impl Redis {
         affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
         let value = self
-            .eval(&self.decide, keys, args, self.deadline, Some(affinity))
+            .eval(&self.decide, keys, args, self.reply_timeout, Some(affinity))
             .await?;
         integers(value)
     }

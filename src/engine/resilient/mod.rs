@@ -27,6 +27,7 @@
 //! one unit after recovery up to a lease's worth can be admitted again.
 
 pub mod breaker;
+pub(crate) mod call;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
@@ -44,7 +45,7 @@ use tokio::sync::Notify;
 
 use super::{Engine, EngineStatus, MemoryEngine};
 use crate::clock::Clock;
-use crate::domain::backend::{Backend, CallError, RawReply};
+use crate::domain::backend::Backend;
 use crate::domain::{Batch, BatchOutcome, Charge, DecisionPath, EngineError, MAX_HITS};
 use crate::limit::Role;
 use breaker::{Breaker, BreakerConfig, BreakerState, Transition};
@@ -63,6 +64,9 @@ pub struct ResilientConfig {
     pub replicas_hint: usize,
     pub ledger_max_keys: usize,
     pub breaker: BreakerConfig,
+    /// How long a call waits for its own reply while Redis is answering
+    /// (see [`call`]); `deadline_ms` applies when it is not.
+    pub budget_max_ms: u64,
 }
 
 impl ResilientConfig {
@@ -87,6 +91,14 @@ pub struct Stats {
     /// "Lost" answers not taken as data loss because a refund of this
     /// replica may have run on the key first.
     pub loss_checks_skipped: AtomicU64,
+    /// Requests denied because Redis, though answering, did not answer
+    /// them within the budget.
+    pub unanswered_denials: AtomicU64,
+    /// Of those, the ones Redis admitted when their reply came late: the
+    /// denials that were wrong (their count is taken back in Redis).
+    pub wrong_denials: AtomicU64,
+    /// Replies that came after the budget and were folded in.
+    pub late_replies: AtomicU64,
 }
 
 pub struct ResilientEngine {
@@ -105,6 +117,11 @@ pub struct ResilientEngine {
     pub stats: Stats,
     /// Latency of Redis decision calls, seconds, once /metrics provides it.
     redis_call_seconds: OnceLock<prometheus::Histogram>,
+    /// When the oldest call sent since Redis last answered was sent (local
+    /// ms; 0: none waiting). Redis is silent past [`call::ALIVE_MS`] of it.
+    unanswered_since_ms: AtomicU64,
+    /// Calls past their budget, answered or failed since.
+    late: Arc<call::LateQueue>,
 }
 
 /// Where one request is decided.
@@ -137,6 +154,8 @@ impl ResilientEngine {
             journal,
             stats: Stats::default(),
             redis_call_seconds: OnceLock::new(),
+            unanswered_since_ms: AtomicU64::new(0),
+            late: Arc::new(call::LateQueue::default()),
         };
         if let Some(journal) = &engine.journal {
             let restored = journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
@@ -220,107 +239,6 @@ impl ResilientEngine {
         }
     }
 
-    async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Option<BatchOutcome> {
-        let redis_now = self.redis_now(now);
-        let marks: Vec<(u64, bool)> = batch
-            .charges
-            .iter()
-            .map(|c| self.ledger.refund_mark(&c.key))
-            .collect();
-        for c in &batch.charges {
-            self.ledger.note_issue(&c.key, &c.spec, now, c.refund);
-        }
-        let expected: Vec<(i64, u64)> = batch
-            .charges
-            .iter()
-            .map(|c| {
-                let w = window_of(&c.spec, redis_now);
-                (self.ledger.expected(&c.key, w), w)
-            })
-            .collect();
-        let started = std::time::Instant::now();
-        let result = self.backend.decide(batch, &expected).await;
-        if let Some(h) = self.redis_call_seconds.get() {
-            h.observe(started.elapsed().as_secs_f64());
-        }
-        // A "lost" answer is evidence only if no refund of this replica can
-        // have run on the key between `expected` being read and the call.
-        let refunds_moved = batch
-            .charges
-            .iter()
-            .zip(&marks)
-            .any(|(c, &(sent, in_flight))| {
-                in_flight || c.refund || self.ledger.refund_mark(&c.key).0 != sent
-            });
-        let result = result.map(|mut reply| {
-            if reply.lost && refunds_moved {
-                reply.lost = false;
-                self.stats
-                    .loss_checks_skipped
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            reply
-        });
-        let outcome = self.settle_call(batch, result, now);
-        // After the reply's deltas are recorded (or the key marked suspect),
-        // so the confirmed count already includes this call's refund.
-        for c in &batch.charges {
-            self.ledger.note_answered(&c.key, c.refund);
-        }
-        outcome
-    }
-
-    /// A backend call's result: the outcome on a reply; on a failure the
-    /// keys become suspect if the call may have run, and the breaker hears
-    /// of it.
-    fn settle_call(
-        &self,
-        batch: &Batch,
-        result: Result<RawReply, CallError>,
-        now: u64,
-    ) -> Option<BatchOutcome> {
-        match result {
-            Ok(reply) => {
-                self.breaker.lock().on_success();
-                Some(self.on_reply(batch, &reply, now))
-            }
-            Err(e) => {
-                self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
-                if e.maybe_applied() {
-                    let at = self.clock.now_ms();
-                    for c in &batch.charges {
-                        self.ledger.mark_suspect(&c.key, &c.spec, at);
-                    }
-                }
-                tracing::debug!(error = %e, "Redis call failed; deciding locally");
-                let reason = e.to_string();
-                self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
-                None
-            }
-        }
-    }
-
-    fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
-        let now = self.clock.now_ms();
-        let mid = (sent_ms + now) / 2;
-        self.offset_ms
-            .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
-        for (c, item) in batch.charges.iter().zip(&reply.items) {
-            self.ledger
-                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
-        }
-        if reply.lost {
-            self.stats
-                .data_loss_detected
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("Redis lost counts this replica had written (restarted empty or failed over): re-asserting");
-            self.ledger.reassert_all();
-            self.wake.notify_one();
-        }
-        self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
-        reply.outcome()
-    }
-
     /// Decides on leases, without any network.
     fn decide_local(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
         let redis_now = self.redis_now(now_ms);
@@ -364,8 +282,10 @@ impl Engine for ResilientEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
         let now = self.clock.now_ms();
         if self.route(batch) == Route::Backend {
-            if let Some(outcome) = self.decide_on_backend(batch, now).await {
-                return Ok(outcome);
+            match self.decide_on_backend(batch, now).await {
+                call::Decided::Answered(outcome) => return Ok(outcome),
+                call::Decided::Unanswered => return Ok(call::unanswered(batch)),
+                call::Decided::Failed => {}
             }
         }
         Ok(self.decide_local(batch, now))

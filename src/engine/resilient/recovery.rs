@@ -41,6 +41,7 @@ impl ResilientEngine {
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = self.wake.notified() => {}
+                _ = self.late.notify.notified() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
@@ -53,6 +54,12 @@ impl ResilientEngine {
     /// what neither saved.
     pub async fn finish(&self, r: &mut Recovery) {
         let attempt = async {
+            // Calls past their budget may still answer: their counts must be
+            // folded in before the last replay.
+            while self.late.pending() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            self.absorb_late();
             if self.breaker_state() == BreakerState::Tripped {
                 self.probe().await;
             }
@@ -62,6 +69,7 @@ impl ResilientEngine {
             }
         };
         let _ = tokio::time::timeout(Duration::from_millis(FINAL_REPLAY_MS), attempt).await;
+        self.absorb_late();
         if self.journal.is_some() {
             self.write_journal(&mut r.journaled).await;
         }
@@ -94,6 +102,7 @@ impl ResilientEngine {
 
     /// One round of the loop; returns the delay before the next.
     pub async fn tick(&self, r: &mut Recovery) -> Duration {
+        self.absorb_late();
         let now = self.clock.now_ms();
         let state = self.breaker_state();
         self.follow_membership(state, r);
@@ -167,7 +176,10 @@ impl ResilientEngine {
     /// knows this replica.
     async fn probe(&self) {
         match self.backend.probe().await {
-            Ok(true) => self.transition(|b| b.on_probe_ok(self.clock.now_ms())),
+            Ok(true) => {
+                self.note_answer();
+                self.transition(|b| b.on_probe_ok(self.clock.now_ms()))
+            }
             Ok(false) => tracing::debug!("probe answered but this replica has no index yet"),
             Err(e) => tracing::debug!(error = %e, "probe failed"),
         }

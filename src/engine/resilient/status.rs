@@ -67,6 +67,10 @@ pub struct DecisionCounts {
     pub redis: u64,
     pub local: u64,
     pub redis_failures: u64,
+    /// Denied because Redis, though answering, did not answer in time.
+    pub unanswered_denials: u64,
+    /// Of those, the ones Redis admitted when their reply came late.
+    pub wrong_denials: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -76,6 +80,8 @@ pub struct ReplayView {
     pub data_loss_detected: u64,
     /// "Lost" answers set aside: a refund of this replica may have run first.
     pub loss_checks_skipped: u64,
+    /// Calls whose reply came after their budget and was folded in.
+    pub late_replies: u64,
     /// Time spent in replay calls.
     pub seconds: f64,
 }
@@ -143,6 +149,8 @@ impl ResilientEngine {
             decisions: DecisionCounts {
                 redis: stat(&self.stats.redis_decisions),
                 local: stat(&self.stats.local_decisions),
+                unanswered_denials: stat(&self.stats.unanswered_denials),
+                wrong_denials: stat(&self.stats.wrong_denials),
                 redis_failures: stat(&self.stats.redis_failures),
             },
             replay: ReplayView {
@@ -150,6 +158,7 @@ impl ResilientEngine {
                 entries: stat(&self.stats.replayed_entries),
                 data_loss_detected: stat(&self.stats.data_loss_detected),
                 loss_checks_skipped: stat(&self.stats.loss_checks_skipped),
+                late_replies: stat(&self.stats.late_replies),
                 seconds: stat(&self.stats.replay_micros) as f64 / 1e6,
             },
             live_members: self.backend.members().live,

@@ -64,6 +64,9 @@ struct Entry {
     refunds_in_flight: u32,
     /// Refund calls ever sent for this key (see [`Ledger::refund_mark`]).
     refunds_sent: u64,
+    /// Redis-path calls sent and not yet answered or failed, late ones
+    /// included: no repair while any can still apply and report back.
+    calls_in_flight: u32,
 }
 
 impl Entry {
@@ -79,6 +82,7 @@ impl Entry {
             touched_ms: now_ms,
             refunds_in_flight: 0,
             refunds_sent: 0,
+            calls_in_flight: 0,
         }
     }
 
@@ -247,6 +251,7 @@ impl Ledger {
             e.last_issue_ms = now_ms;
             e.refunds_in_flight += u32::from(refund);
             e.refunds_sent += u64::from(refund);
+            e.calls_in_flight += 1;
         });
         if noted.is_none() {
             self.untracked.fetch_add(1, Ordering::Relaxed);
@@ -269,8 +274,9 @@ impl Ledger {
     /// that may still run late leaves the key suspect, and a suspect key
     /// makes no Redis-path calls until a fenced repair.
     pub fn note_answered(&self, key: &CounterKey, refund: bool) {
-        if refund {
-            if let Some(e) = self.shard(key).lock().get_mut(key) {
+        if let Some(e) = self.shard(key).lock().get_mut(key) {
+            e.calls_in_flight = e.calls_in_flight.saturating_sub(1);
+            if refund {
                 e.refunds_in_flight = e.refunds_in_flight.saturating_sub(1);
             }
         }
@@ -364,7 +370,8 @@ impl Ledger {
                 if !e.needs_replay() {
                     continue;
                 }
-                let repairs = e.suspect && now_ms >= e.last_issue_ms + quiet_ms;
+                let repairs =
+                    e.suspect && e.calls_in_flight == 0 && now_ms >= e.last_issue_ms + quiet_ms;
                 if e.suspect && !repairs {
                     waiting += 1;
                 }

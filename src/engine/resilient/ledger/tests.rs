@@ -56,9 +56,15 @@ fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
     let (k, s) = key("b");
     l.note_issue(&k, &s, 1_000, false);
     l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
+    l.note_answered(&k, false);
     l.note_issue(&k, &s, 2_000, false);
     l.mark_suspect(&k, &s, 2_005);
     assert!(l.is_suspect(&k));
+    // The failed call still counts as in flight until it is answered (a
+    // late reply is folded in); no repair before that, however long.
+    let (plan, waiting) = l.replay_plan(9_000, 7_100, 100, 1_000);
+    assert!(plan.is_empty() && waiting == 1, "a call is still in flight");
+    l.note_answered(&k, false);
     let (plan, waiting) = l.replay_plan(2_050, 7_100, 100, 1_000);
     assert!(
         plan.is_empty() && waiting == 1,

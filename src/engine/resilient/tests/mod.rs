@@ -2,6 +2,7 @@
 //! clock ([`rig`]) drive trip → probe → replay → settle → healthy, lost and
 //! late replies, and flaps, with no sleeping.
 
+mod budget;
 mod local_path;
 mod rig;
 

@@ -34,6 +34,9 @@ pub(super) enum Mode {
     /// The caller's budget runs out first; the script runs later, when
     /// [`Fake::run_late`] says so.
     Late,
+    /// The call waits (Redis busy) until [`Fake::release`], then runs and
+    /// answers.
+    Slow,
 }
 
 #[derive(Default)]
@@ -50,6 +53,7 @@ pub(super) struct Fake {
     pub(super) mode: Mutex<Mode>,
     pub(super) store: Mutex<Store>,
     pub(super) decide_calls: AtomicUsize,
+    pub(super) gate: tokio::sync::Notify,
 }
 
 impl Fake {
@@ -59,6 +63,7 @@ impl Fake {
             mode: Mutex::new(Mode::Up),
             store: Mutex::new(Store::default()),
             decide_calls: AtomicUsize::new(0),
+            gate: tokio::sync::Notify::new(),
         })
     }
 
@@ -108,6 +113,11 @@ impl Fake {
         }
     }
 
+    /// Slow calls waiting now run and answer.
+    pub(super) fn release(&self) {
+        self.gate.notify_waiters();
+    }
+
     /// The late calls run now.
     pub(super) fn run_late(&self) {
         let late: Vec<Batch> = self.store.lock().late.drain(..).collect();
@@ -150,6 +160,10 @@ impl Backend for Fake {
                 self.store.lock().late.push_back(batch.clone());
                 Err(CallError::Timeout(Duration::from_millis(5)))
             }
+            Mode::Slow => {
+                self.gate.notified().await;
+                Ok(self.execute(batch))
+            }
         }
     }
 
@@ -189,6 +203,7 @@ impl Backend for Fake {
 }
 
 pub(super) const DEADLINE_MS: u64 = 5;
+pub(super) const BUDGET_MAX_MS: u64 = 15;
 pub(super) const SETTLE_MS: u64 = 1_405;
 
 pub(super) struct Rig {
@@ -213,6 +228,7 @@ impl Rig {
         let fake = Fake::new(clock.clone());
         let cfg = ResilientConfig {
             deadline_ms: DEADLINE_MS,
+            budget_max_ms: BUDGET_MAX_MS,
             expiry_margin_ms: 10_000,
             lease_min_share: 0.025,
             replicas_hint: 1,

@@ -1,0 +1,347 @@
+//! One call on the backend, within a budget that follows what Redis is
+//! doing. A busy Redis is not an outage, and a decision made without its
+//! answer must not grant what Redis does not account for:
+//!
+//! - While Redis is answering (some reply within [`ALIVE_MS`]), a call waits
+//!   up to `budget_max_ms` for its own reply. If that passes, the request is
+//!   denied (never granted from a lease: the replicas still on Redis would
+//!   not see the grant), counted in `unanswered_denials`, and the call is
+//!   left running.
+//! - When Redis has answered nothing for [`ALIVE_MS`], the budget is
+//!   `deadline_ms`; a call that misses it is a breaker failure and the
+//!   request is decided on a lease.
+//! - Either way a call past its budget is not abandoned: its reply, when it
+//!   comes (within the Redis layer's reply timeout), is folded in. Redis
+//!   counted it as it decided; this replica decided otherwise, so the
+//!   difference is written back through the local field (`o<idx>`):
+//!   `local_own −= delta`. Redis then counts exactly what the client was
+//!   told: a wrongly denied request costs nothing (counted in
+//!   `wrong_denials`), a lease grant Redis also admitted counts once. Only
+//!   a call that never answers leaves its keys suspect, for the fenced
+//!   repair of [`super::ledger`].
+//!
+//! token_bucket and sliding_log cannot take a count back (the bucket
+//! replay only draws; the log is not replayed): a wrongly denied request
+//! there still uses its tokens or log entry.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::ledger::window_of;
+use super::ResilientEngine;
+use crate::domain::backend::{CallError, RawReply};
+use crate::domain::{Batch, BatchOutcome, DecisionPath, ItemOutcome};
+use crate::limit::Role;
+
+/// Redis counts as silent once a call has waited this long with no reply
+/// to any call since it was sent; until then it counts as answering.
+pub const ALIVE_MS: u64 = 100;
+
+/// What became of a request sent to the backend.
+pub(super) enum Decided {
+    Answered(BatchOutcome),
+    /// Redis is answering, but not this call in time: deny.
+    Unanswered,
+    /// The call failed, or missed the short budget of a silent Redis:
+    /// decide on a lease.
+    Failed,
+}
+
+/// A call past its budget, with what its completion must do.
+struct Late {
+    batch: Batch,
+    result: Result<RawReply, CallError>,
+    /// The request was denied unanswered (not decided on a lease).
+    denied_unanswered: bool,
+    /// The breaker already heard of this call as a failure.
+    failure_counted: bool,
+    started: Instant,
+}
+
+/// Late calls that have completed, for the recovery loop to fold in.
+#[derive(Default)]
+pub(super) struct LateQueue {
+    done: Mutex<Vec<Late>>,
+    /// Deferred calls not completed yet.
+    pending: std::sync::atomic::AtomicUsize,
+    pub notify: Notify,
+}
+
+impl LateQueue {
+    pub fn pending(&self) -> usize {
+        self.pending.load(Ordering::Relaxed)
+    }
+}
+
+/// The answer to a request Redis did not answer in time: denied, every
+/// enforcing charge reported over with nothing remaining. In global shadow
+/// mode, or when no charge enforces, nothing is ever denied.
+pub(super) fn unanswered(batch: &Batch) -> BatchOutcome {
+    let denies = !batch.never_deny && batch.charges.iter().any(|c| c.role != Role::Shadow);
+    BatchOutcome {
+        items: batch
+            .charges
+            .iter()
+            .map(|c| ItemOutcome {
+                over: denies && c.role != Role::Shadow,
+                remaining: 0,
+                reset_ms: 0,
+            })
+            .collect(),
+        denied: denies,
+        path: DecisionPath::Unanswered,
+    }
+}
+
+impl ResilientEngine {
+    /// Answering unless a call sent after the last answer has waited
+    /// longer than [`ALIVE_MS`]: a busy Redis answers something every few
+    /// milliseconds, a hung or unreachable one answers nothing.
+    fn redis_alive(&self, now: u64) -> bool {
+        let waiting_since = self.unanswered_since_ms.load(Ordering::Relaxed);
+        waiting_since == 0 || now.saturating_sub(waiting_since) <= ALIVE_MS
+    }
+
+    /// A call is about to be sent: if none has been answered since the last
+    /// answer, the silence is measured from now.
+    fn note_sent(&self, now: u64) {
+        let _ = self.unanswered_since_ms.compare_exchange(
+            0,
+            now.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Redis answered a call (any call: decision, late reply, probe,
+    /// replay).
+    pub(super) fn note_answer(&self) {
+        self.unanswered_since_ms.store(0, Ordering::Relaxed);
+    }
+
+    pub(super) async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Decided {
+        let redis_now = self.redis_now(now);
+        let marks: Vec<(u64, bool)> = batch
+            .charges
+            .iter()
+            .map(|c| self.ledger.refund_mark(&c.key))
+            .collect();
+        for c in &batch.charges {
+            self.ledger.note_issue(&c.key, &c.spec, now, c.refund);
+        }
+        let expected: Vec<(i64, u64)> = batch
+            .charges
+            .iter()
+            .map(|c| {
+                let w = window_of(&c.spec, redis_now);
+                (self.ledger.expected(&c.key, w), w)
+            })
+            .collect();
+        let alive = self.redis_alive(now);
+        self.note_sent(now);
+        let budget = if alive {
+            self.cfg.budget_max_ms
+        } else {
+            self.cfg.deadline_ms
+        };
+        let started = Instant::now();
+        let backend = self.backend.clone();
+        let owned = batch.clone();
+        let mut call = tokio::spawn(async move { backend.decide(&owned, &expected).await });
+        let joined = match tokio::time::timeout(Duration::from_millis(budget), &mut call).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                let failure_counted = !alive;
+                if failure_counted {
+                    let reason = format!("no answer within {budget} ms");
+                    self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+                    self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
+                } else {
+                    self.stats
+                        .unanswered_denials
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                self.defer(call, batch.clone(), alive, failure_counted, started);
+                return if alive {
+                    Decided::Unanswered
+                } else {
+                    Decided::Failed
+                };
+            }
+        };
+        let result = joined.unwrap_or_else(|e| Err(CallError::Reply(format!("call task: {e}"))));
+        self.observe(started);
+        let result = self.weigh_loss(batch, &marks, result);
+        let outcome = self.settle_call(batch, result, now);
+        // After the reply's deltas are recorded (or the key marked suspect),
+        // so the confirmed count already includes this call's refund.
+        for c in &batch.charges {
+            self.ledger.note_answered(&c.key, c.refund);
+        }
+        match outcome {
+            Some(o) => Decided::Answered(o),
+            None => Decided::Failed,
+        }
+    }
+
+    fn observe(&self, started: Instant) {
+        if let Some(h) = self.redis_call_seconds.get() {
+            h.observe(started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// A "lost" answer is evidence only if no refund of this replica can
+    /// have run on the key between `expected` being read and the call.
+    fn weigh_loss(
+        &self,
+        batch: &Batch,
+        marks: &[(u64, bool)],
+        result: Result<RawReply, CallError>,
+    ) -> Result<RawReply, CallError> {
+        let refunds_moved = batch
+            .charges
+            .iter()
+            .zip(marks)
+            .any(|(c, &(sent, in_flight))| {
+                in_flight || c.refund || self.ledger.refund_mark(&c.key).0 != sent
+            });
+        result.map(|mut reply| {
+            if reply.lost && refunds_moved {
+                reply.lost = false;
+                self.stats
+                    .loss_checks_skipped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            reply
+        })
+    }
+
+    /// Leaves a call past its budget running; its result lands in the late
+    /// queue and wakes the recovery loop.
+    fn defer(
+        &self,
+        call: tokio::task::JoinHandle<Result<RawReply, CallError>>,
+        batch: Batch,
+        denied_unanswered: bool,
+        failure_counted: bool,
+        started: Instant,
+    ) {
+        let queue = self.late.clone();
+        queue.pending.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let result = call
+                .await
+                .unwrap_or_else(|e| Err(CallError::Reply(format!("call task: {e}"))));
+            queue.done.lock().push(Late {
+                batch,
+                result,
+                denied_unanswered,
+                failure_counted,
+                started,
+            });
+            queue.pending.fetch_sub(1, Ordering::Relaxed);
+            queue.notify.notify_one();
+        });
+    }
+
+    /// Folds in every late call that has completed (see the module docs).
+    pub(super) fn absorb_late(&self) {
+        let done: Vec<Late> = std::mem::take(&mut *self.late.done.lock());
+        for late in done {
+            self.observe(late.started);
+            self.stats.late_replies.fetch_add(1, Ordering::Relaxed);
+            let now = self.clock.now_ms();
+            match late.result {
+                Ok(reply) => self.fold_late(&late.batch, &reply, late.denied_unanswered, now),
+                Err(e) => {
+                    if e.maybe_applied() {
+                        for c in &late.batch.charges {
+                            self.ledger.mark_suspect(&c.key, &c.spec, now);
+                        }
+                    }
+                    if !late.failure_counted {
+                        let reason = e.to_string();
+                        self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+                        self.transition(|b| b.on_failure(now, &reason));
+                    }
+                }
+            }
+            for c in &late.batch.charges {
+                self.ledger.note_answered(&c.key, c.refund);
+            }
+        }
+    }
+
+    /// A late reply: what Redis counted becomes confirmed, and is taken
+    /// back through the local field, where this replica's own decision
+    /// (a lease grant, or nothing) already stands.
+    fn fold_late(&self, batch: &Batch, reply: &RawReply, denied_unanswered: bool, now: u64) {
+        self.note_answer();
+        if denied_unanswered && !reply.denied && reply.items.iter().any(|i| i.delta > 0) {
+            self.stats.wrong_denials.fetch_add(1, Ordering::Relaxed);
+        }
+        for (c, item) in batch.charges.iter().zip(&reply.items) {
+            self.ledger
+                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
+            let window = window_of(&c.spec, reply.now_ms);
+            self.ledger
+                .record_local(&c.key, &c.spec, window, now, -item.delta);
+        }
+        self.wake.notify_one();
+    }
+
+    /// A backend call's result: the outcome on a reply; on a failure the
+    /// keys become suspect if the call may have run, and the breaker hears
+    /// of it.
+    fn settle_call(
+        &self,
+        batch: &Batch,
+        result: Result<RawReply, CallError>,
+        now: u64,
+    ) -> Option<BatchOutcome> {
+        match result {
+            Ok(reply) => {
+                self.breaker.lock().on_success();
+                Some(self.on_reply(batch, &reply, now))
+            }
+            Err(e) => {
+                self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+                if e.maybe_applied() {
+                    let at = self.clock.now_ms();
+                    for c in &batch.charges {
+                        self.ledger.mark_suspect(&c.key, &c.spec, at);
+                    }
+                }
+                tracing::debug!(error = %e, "Redis call failed; deciding locally");
+                let reason = e.to_string();
+                self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
+                None
+            }
+        }
+    }
+
+    fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
+        let now = self.clock.now_ms();
+        self.note_answer();
+        let mid = (sent_ms + now) / 2;
+        self.offset_ms
+            .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
+        for (c, item) in batch.charges.iter().zip(&reply.items) {
+            self.ledger
+                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
+        }
+        if reply.lost {
+            self.stats
+                .data_loss_detected
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("Redis lost counts this replica had written (restarted empty or failed over): re-asserting");
+            self.ledger.reassert_all();
+            self.wake.notify_one();
+        }
+        self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
+        reply.outcome()
+    }
+}

@@ -1,0 +1,73 @@
+//! The budget against a busy Redis and a silent one: unanswered calls are
+//! denied while Redis answers, their late replies folded in; a silent Redis
+//! is an outage decided on leases.
+
+use std::sync::atomic::Ordering;
+
+use super::rig::*;
+use crate::domain::backend::ReplayKind;
+use crate::domain::DecisionPath;
+use crate::engine::resilient::breaker::BreakerState;
+use crate::engine::resilient::call::ALIVE_MS;
+
+/// Lets spawned tasks (the late call's completion) run.
+async fn settle_tasks() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_redis_denies_unanswered_calls_and_takes_their_counts_back() {
+    let mut rig = Rig::new();
+    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
+    rig.fake.set(Mode::Slow);
+    // Redis answered just now: the call waits the whole budget, then the
+    // request is denied, not granted on a lease.
+    assert_eq!(rig.hit("a").await, DecisionPath::Unanswered);
+    assert_eq!(rig.state(), BreakerState::Healthy, "slowness is no failure");
+    assert_eq!(
+        rig.engine.stats.unanswered_denials.load(Ordering::SeqCst),
+        1
+    );
+    assert_eq!(rig.engine.stats.redis_failures.load(Ordering::SeqCst), 0);
+    // Redis gets to it and admits it: counted there, denied here.
+    rig.fake.set(Mode::Up);
+    rig.fake.release();
+    settle_tasks().await;
+    assert_eq!(rig.fake.total(&rig.key("a"), &rig.spec), 2);
+    rig.tick().await;
+    assert_eq!(rig.engine.stats.late_replies.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.engine.stats.wrong_denials.load(Ordering::SeqCst), 1);
+    // The count is taken back through the local field: Redis = grants.
+    assert_eq!(rig.fake.replays(), [vec![(ReplayKind::Local, -1)]]);
+    assert_eq!(rig.pending(), (0, 0, 0), "nothing suspect, nothing left");
+    rig.assert_exact();
+    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
+    rig.assert_exact();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_redis_is_an_outage_decided_on_leases() {
+    let mut rig = Rig::new();
+    rig.hit("a").await;
+    rig.fake.set(Mode::Slow);
+    assert_eq!(rig.hit("a").await, DecisionPath::Unanswered);
+    // Nothing answered for longer than ALIVE_MS: the short budget, a
+    // failure per call, lease grants, and the breaker trips.
+    rig.clock.advance(ALIVE_MS + 1);
+    for i in 1..=3 {
+        assert_eq!(rig.hit("a").await, DecisionPath::Local, "call {i}");
+    }
+    assert_eq!(rig.state(), BreakerState::Tripped);
+    assert_eq!(rig.engine.stats.redis_failures.load(Ordering::SeqCst), 3);
+    // The hung calls answer after all: each lease grant Redis also admitted
+    // counts once, the denied one not at all.
+    rig.fake.set(Mode::Up);
+    rig.fake.release();
+    settle_tasks().await;
+    rig.recover().await;
+    assert_eq!(rig.engine.stats.late_replies.load(Ordering::SeqCst), 4);
+    assert_eq!(rig.pending(), (0, 0, 0));
+    rig.assert_exact();
+}
