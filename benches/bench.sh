@@ -11,7 +11,7 @@
 #                               100,000 keys through an outage
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=target/release/leasehold
+BIN=${BIN:-target/release/leasehold}
 DUR=${DUR:-10}
 WORK=$(mktemp -d)
 PIDS=()
