@@ -26,7 +26,9 @@ fn local_usage_replays_by_value_and_only_once() {
     l.note_issue(&k, &s, 1_000, false);
     l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
     assert_eq!(l.expected(&k, 5), 3);
-    assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(97)));
+    // 3 used in the first 100 ms: 400 ms later about 12 more are gone.
+    assert_eq!(l.lease_inputs(&k, &s, 5_100), (Some(0.25), Some(97)));
+    assert_eq!(l.lease_inputs(&k, &s, 5_500), (Some(0.25), Some(85)));
     assert_eq!(l.lease_inputs(&k, &s, 6_000), (Some(0.25), None));
     l.record_local(&k, &s, 5, 1_100, 2);
     l.record_local(&k, &s, 5, 1_100, 1);

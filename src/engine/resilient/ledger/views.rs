@@ -9,9 +9,29 @@ use crate::key::CounterKey;
 use crate::limit::Algorithm;
 use crate::limit::LimitSpec;
 
+/// What probably remains of a window now, from what Redis said remained at
+/// `at`: the key kept being admitted after that, on every replica still on
+/// Redis, at about the pace the window had until then. Replicas that last
+/// heard from Redis at different moments would otherwise lease from
+/// different remainders, and the stale ones would hand out what the others
+/// had already granted. Only the window in which Redis went away uses it;
+/// a window that starts during the outage has no remainder and leases from
+/// the limit.
+fn decayed_remaining(spec: &LimitSpec, window: u64, remaining: u64, at: u64, now: u64) -> u64 {
+    let start = window * spec.unit.millis();
+    let used = u64::from(spec.requests_per_unit).saturating_sub(remaining) as f64;
+    // At least a tenth of the unit as the elapsed time, so a reply at the
+    // very start of the window does not make the pace look infinite.
+    let elapsed = (at.saturating_sub(start) as f64).max(spec.unit.millis() as f64 / 10.0);
+    let since = now.saturating_sub(at) as f64;
+    let spent = (used / elapsed * since).ceil();
+    (remaining as f64 - spent).max(0.0) as u64
+}
+
 impl Ledger {
     /// Lease inputs at Redis time `redis_now_ms`: (demand share, what
-    /// remains of the limit as Redis last said). For windowed algorithms
+    /// remains of the limit as Redis last said, decayed by the pace of
+    /// admission since, see [`decayed_remaining`]). For windowed algorithms
     /// that is the last remaining of the current window; for a token bucket,
     /// the tokens left at last contact plus what has refilled since.
     pub fn lease_inputs(
@@ -28,7 +48,8 @@ impl Ledger {
                         / spec.unit.millis() as f64;
                     Some(((r as f64 + refilled).min(f64::from(spec.burst))) as u64)
                 } else {
-                    (w == window_of(spec, redis_now_ms)).then_some(r)
+                    (w == window_of(spec, redis_now_ms))
+                        .then(|| decayed_remaining(spec, w, r, at, redis_now_ms))
                 }
             });
             (e.demand, remaining)
