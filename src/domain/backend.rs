@@ -64,6 +64,11 @@ pub enum ReplayKind {
     Local,
     /// `<idx>` and its fence: the confirmed Redis-path count.
     Repair,
+    /// `h<idx>`: the part of this replica's lease for the window it has not
+    /// granted yet. Decisions on Redis by the other replicas count it as
+    /// used, so what a replica off Redis may still grant is not granted
+    /// twice.
+    Hold,
 }
 
 /// One (counter, window) field that replay sets.

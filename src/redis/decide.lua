@@ -31,8 +31,10 @@
 -- "<base>@<window index>". Field "<idx>": replica idx's net count of
 -- Redis-path grants (this script adds to it); field "o<idx>": its grants
 -- made locally while Redis was away (replay sets it); "f<idx>": a fence, the
--- epoch at which replica idx last rewrote its "<idx>" field. The total is the
--- sum of all "<idx>" and "o<idx>" fields.
+-- epoch at which replica idx last rewrote its "<idx>" field; "h<idx>": what
+-- replica idx, deciding off Redis, has not granted yet of its lease (replay
+-- sets it). The total is the sum of all "<idx>" and "o<idx>" fields; a
+-- decision also counts the other replicas' "h" fields as used.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = ARGV[1]
@@ -46,9 +48,10 @@ local n = #KEYS
 -- Sum of the count fields of a window hash, this replica's Redis-path
 -- field, its local (outage) field, and its fence.
 local local_field = 'o' .. me
+local hold_field = 'h' .. me
 local function read_window(key)
   local flat = redis.call('HGETALL', key)
-  local total, own, own_local, fence = 0, 0, 0, 0
+  local total, own, own_local, fence, held = 0, 0, 0, 0, 0
   for i = 1, #flat, 2 do
     local f = flat[i]
     local b = string.byte(f, 1)
@@ -60,11 +63,13 @@ local function read_window(key)
       local v = tonumber(flat[i + 1]) or 0
       total = total + v
       if f == local_field then own_local = v end
+    elseif b == 104 then -- 'h': another replica's unspent lease
+      if f ~= hold_field then held = held + (tonumber(flat[i + 1]) or 0) end
     elseif f == fence_field then
       fence = tonumber(flat[i + 1]) or 0
     end
   end
-  return {total = total, own = own, own_local = own_local, fence = fence}
+  return {total = total, own = own, own_local = own_local, fence = fence, held = held}
 end
 
 -- Per-key state cache, so a key charged twice in one request sees its
@@ -116,13 +121,15 @@ for i = 1, n do
         weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
       end
     end
-    local count = cur.total
+    -- What the other replicas off Redis still hold of their leases counts
+    -- as used here, so it is not granted twice.
+    local count = cur.total + cur.held
     local estimate = weighted + count
     local delta, after
     if refund then
-      local c = math.max(0, count - hits)
-      delta = c - count
-      after = weighted + c
+      local c = math.max(0, cur.total - hits)
+      delta = c - cur.total
+      after = weighted + c + cur.held
     else
       delta = hits
       after = estimate + hits

@@ -8,6 +8,10 @@
 --   1 (local usage)  set "o<idx>" to this replica's cumulative grants made
 --                    locally (on its lease) in that window. No other writer
 --                    touches that field, so this needs no coordination.
+--   3 (hold)         set "h<idx>" to what is left of this replica's lease in
+--                    that window (it is deciding off Redis and may still
+--                    grant it); the other replicas' decisions count it as
+--                    used. 0 when it is back on Redis. Guarded like kind 1.
 --   2 (repair)       set "<idx>" to the sum of the deltas of this replica's
 --                    Redis-path calls that Redis confirmed, and the fence
 --                    "f<idx>" to the current epoch, so a call this replica
@@ -35,6 +39,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local fence = 'f' .. me
 local local_field = 'o' .. me
+local hold_field = 'h' .. me
 local version = 'v' .. me
 local epoch_n = tonumber(epoch)
 local written = 0
@@ -52,7 +57,7 @@ for i = 1, #KEYS do
   local life = (w + 1) * unit + margin
   if algo == 2 then life = life + unit end
   local guard = version
-  if kind ~= 1 then guard = fence end
+  if kind == 2 then guard = fence end
   local current = tonumber(redis.call('HGET', key, guard)) or 0
   if life > now and (algo == 1 or algo == 2 or algo == 4) and epoch_n >= current then
     if kind == 1 then
@@ -80,6 +85,8 @@ for i = 1, #KEYS do
         end
       end
       redis.call('HSET', key, local_field, value, version, epoch)
+    elseif kind == 3 then
+      redis.call('HSET', key, hold_field, math.max(0, value), version, epoch)
     else
       redis.call('HSET', key, me, value, fence, epoch)
       if algo == 4 and redis.call('EXISTS', base) == 1 then

@@ -159,6 +159,7 @@ pub fn replay_args(
         let kind = match e.kind {
             ReplayKind::Local => "1",
             ReplayKind::Repair => "2",
+            ReplayKind::Hold => "3",
         };
         args.push(kind.to_string());
         args.push(algorithm_code(e.spec.algorithm).to_string());

@@ -239,6 +239,26 @@ impl ResilientEngine {
         }
     }
 
+    /// Holds in Redis what this replica may still grant on its leases, in
+    /// the current and the next window of every key it serves locally
+    /// (fixed and sliding window): the replicas on Redis count it as used,
+    /// so a replica that comes back to Redis while others are still on
+    /// leases does not grant what they may grant too.
+    pub(super) fn update_holds(&self, now_ms: u64) {
+        let redis_now = self.redis_now(now_ms);
+        let members = self.members.load(Ordering::Relaxed);
+        for (key, spec) in self.ledger.leased_keys(|s| window_of(s, redis_now)) {
+            let (demand, remaining) = self.ledger.lease_inputs(&key, &spec, redis_now);
+            let share = lease_share(demand, members, self.cfg.lease_min_share);
+            let w = window_of(&spec, redis_now);
+            let now_cap = lease_spec(&spec, share, remaining).requests_per_unit;
+            let next_cap = lease_spec(&spec, share, None).requests_per_unit;
+            self.ledger.hold(&key, &spec, w, now_ms, i64::from(now_cap));
+            self.ledger
+                .hold(&key, &spec, w + 1, now_ms, i64::from(next_cap));
+        }
+    }
+
     /// Decides on leases, without any network.
     fn decide_local(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
         let redis_now = self.redis_now(now_ms);

@@ -191,6 +191,13 @@ impl ResilientEngine {
     pub(super) async fn replay_round(&self, state: BreakerState) {
         let now = self.clock.now_ms();
         let recovering = matches!(state, BreakerState::Probing | BreakerState::Settling);
+        // Off Redis, what this replica may still grant is held there; back
+        // on it, nothing is.
+        if recovering {
+            self.update_holds(now);
+        } else {
+            self.ledger.release_holds();
+        }
         // Past a deadline (plus a little scheduling slack) no call sent
         // before can still be in flight.
         let quiet = self.cfg.deadline_ms + 10;

@@ -40,6 +40,11 @@ struct WindowTally {
     local_own: i64,
     /// The `local_own` value Redis last confirmed.
     local_replayed: i64,
+    /// What of this replica's lease for the window it has not granted, to be
+    /// held in Redis (`h<idx>`) while it decides off Redis; 0 once back.
+    hold: i64,
+    /// The `hold` value Redis last confirmed.
+    hold_written: i64,
 }
 
 #[derive(Clone, Debug)]
@@ -112,7 +117,11 @@ impl Entry {
     }
 
     fn needs_replay(&self) -> bool {
-        self.suspect || self.windows.iter().any(|w| w.local_own != w.local_replayed)
+        self.suspect
+            || self
+                .windows
+                .iter()
+                .any(|w| w.local_own != w.local_replayed || w.hold != w.hold_written)
     }
 }
 
@@ -129,6 +138,14 @@ pub struct Planned {
 /// Window index of `now_ms` for a spec.
 pub fn window_of(spec: &LimitSpec, now_ms: u64) -> u64 {
     now_ms / spec.unit.millis()
+}
+
+/// Holds exist for the windowed algorithms, whose decisions read them.
+fn holdable(spec: &LimitSpec) -> bool {
+    matches!(
+        spec.algorithm,
+        Algorithm::FixedWindow | Algorithm::SlidingWindow
+    )
 }
 
 /// Whether a window's key is still alive in Redis (and so worth replaying).
@@ -337,6 +354,54 @@ impl Ledger {
         }
     }
 
+    /// Keys this replica has granted on leases in their current window
+    /// (`window_of_spec`): holds are kept for them, see [`Self::hold`].
+    pub fn leased_keys(
+        &self,
+        window_of_spec: impl Fn(&LimitSpec) -> u64,
+    ) -> Vec<(CounterKey, LimitSpec)> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                let w = window_of_spec(&e.spec);
+                if holdable(&e.spec) && e.windows.iter().any(|t| t.window == w && t.local_own > 0) {
+                    out.push((key.clone(), e.spec));
+                }
+            }
+        }
+        out
+    }
+
+    /// Holds in Redis what is left of a lease of `capacity` in `window`:
+    /// the capacity less what this replica granted locally there.
+    pub fn hold(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        window: u64,
+        now_ms: u64,
+        capacity: i64,
+    ) {
+        if !holdable(spec) {
+            return;
+        }
+        self.with_entry(key, spec, now_ms, |e| {
+            let w = e.window_mut(window);
+            w.hold = capacity.saturating_sub(w.local_own).max(0);
+        });
+    }
+
+    /// Back on Redis: every hold goes to 0 (written by the next replay).
+    pub fn release_holds(&self) {
+        for shard in &self.shards {
+            for e in shard.lock().values_mut() {
+                for w in &mut e.windows {
+                    w.hold = 0;
+                }
+            }
+        }
+    }
+
     /// Redis lost data: every live window is re-asserted, both fields.
     pub fn reassert_all(&self) {
         for shard in &self.shards {
@@ -346,6 +411,7 @@ impl Ledger {
                     e.version += 1;
                     for w in &mut e.windows {
                         w.local_replayed = 0;
+                        w.hold_written = 0;
                     }
                 }
             }
@@ -390,6 +456,15 @@ impl Ledger {
                             value: w.local_own,
                         });
                     }
+                    if w.hold != w.hold_written {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Hold,
+                            value: w.hold,
+                        });
+                    }
                     if repairs {
                         entries.push(ReplayEntry {
                             key: key.clone(),
@@ -420,10 +495,13 @@ impl Ledger {
         for p in planned {
             if let Some(e) = self.shard(&p.key).lock().get_mut(&p.key) {
                 for entry in &p.entries {
-                    if entry.kind == ReplayKind::Local {
-                        if let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) {
-                            w.local_replayed = entry.value;
-                        }
+                    let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) else {
+                        continue;
+                    };
+                    match entry.kind {
+                        ReplayKind::Local => w.local_replayed = entry.value,
+                        ReplayKind::Hold => w.hold_written = entry.value,
+                        ReplayKind::Repair => {}
                     }
                 }
                 if p.repairs && e.version == p.version {

@@ -3,6 +3,7 @@
 //! late replies, and flaps, with no sleeping.
 
 mod budget;
+mod holds;
 mod local_path;
 mod rig;
 

@@ -44,6 +44,7 @@ pub(super) struct Store {
     /// Per (key, window): the Redis-path field and the local field.
     pub(super) redis_field: HashMap<(CounterKey, u64), i64>,
     pub(super) local_field: HashMap<(CounterKey, u64), i64>,
+    pub(super) hold_field: HashMap<(CounterKey, u64), i64>,
     pub(super) late: VecDeque<Batch>,
     pub(super) replays: Vec<Vec<ReplayEntry>>,
 }
@@ -134,13 +135,30 @@ impl Fake {
             + store.local_field.get(&k).copied().unwrap_or(0)
     }
 
+    /// The count fields each replay call wrote (holds apart, see
+    /// [`Fake::holds`]); calls that wrote only holds are left out.
     pub(super) fn replays(&self) -> Vec<Vec<(ReplayKind, i64)>> {
         self.store
             .lock()
             .replays
             .iter()
-            .map(|r| r.iter().map(|e| (e.kind, e.value)).collect())
+            .map(|r| {
+                r.iter()
+                    .filter(|e| e.kind != ReplayKind::Hold)
+                    .map(|e| (e.kind, e.value))
+                    .collect::<Vec<_>>()
+            })
+            .filter(|r| !r.is_empty())
             .collect()
+    }
+
+    /// The hold this replica last wrote for a key's window.
+    pub(super) fn hold(&self, key: &CounterKey, window: u64) -> Option<i64> {
+        self.store
+            .lock()
+            .hold_field
+            .get(&(key.clone(), window))
+            .copied()
     }
 }
 
@@ -177,6 +195,8 @@ impl Backend for Fake {
             match e.kind {
                 ReplayKind::Local => store.local_field.insert(k, e.value),
                 ReplayKind::Repair => store.redis_field.insert(k, e.value),
+                // One replica: its own holds never count for itself.
+                ReplayKind::Hold => store.hold_field.insert(k, e.value),
             };
         }
         store.replays.push(entries.to_vec());
