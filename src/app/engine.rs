@@ -134,13 +134,18 @@ pub async fn redis_engine(
     if let Some(index) = membership.index() {
         tracing::info!(replica_id, index, live = ?membership.state().live, "registered with Redis");
     }
+    // Epochs fence out older calls, so a new incarnation's must exceed any
+    // epoch a previous one wrote. Redis's clock, when it answered, does not
+    // step back with this machine's.
+    let redis_ms = membership.state().last_beat_ms.unwrap_or(0);
+    let epoch_start = SystemClock.now_ms().max(redis_ms).saturating_mul(1_000);
     let engine = RedisEngine::new(
         redis.clone(),
         membership,
         settings.redis_prefix.clone(),
         settings.redis_expiry_margin_ms,
         boot,
-        SystemClock.now_ms().saturating_mul(1_000),
+        epoch_start,
     );
     Ok((Arc::new(engine), redis))
 }

@@ -3,11 +3,16 @@
 //! production, a scripted fake in unit tests) or to local leases:
 //!
 //! - While the breaker is healthy and none of the request's keys is
-//!   suspect, the request goes to the backend within the call budget. A call
-//!   that fails or misses the budget is decided locally at once, so a client
-//!   never waits on a dead or hung Redis and never sees an error because of
-//!   it; if the call may still apply, its keys become suspect (decided
-//!   locally until repaired, see [`ledger`]).
+//!   suspect, the request goes to the backend within a budget that follows
+//!   what Redis is doing ([`call`]): a busy Redis gets the long budget and a
+//!   request it does not answer in time is denied (its late reply folded
+//!   in), a silent one the short budget and a lease decision. A client never
+//!   waits on a dead or hung Redis and never sees an error because of it; a
+//!   call that may have run and never answers leaves its keys suspect
+//!   (decided locally until repaired, see [`ledger`]).
+//! - Off Redis, a replica holds there what it may still grant of its leases
+//!   (holds, see [`Self::update_holds`]), so replicas back on Redis do not
+//!   grant it too.
 //! - Otherwise (tripped, probing, settling, or a suspect key) it is decided
 //!   locally on leases ([`lease`]): this replica's share of each limit.
 //! - The recovery loop ([`recovery`]) probes when tripped, replays local
