@@ -14,7 +14,7 @@
 //! - `grpc`, `http`: the transports (RLS, health, reflection; health,
 //!   `/json`, `/metrics`, admin pages), glue only. `metrics` renders for
 //!   them.
-//! - [`rls`]: wire ↔ decision conversion both transports share: units,
+//! - `rls`: wire ↔ decision conversion both transports share: units,
 //!   codes, validation with size bounds, the response, protojson.
 //! - [`decision`]: rules matching and planning → one batch of charges →
 //!   statuses, overall code and headers.

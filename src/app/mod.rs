@@ -1,8 +1,8 @@
 //! The composition root: settings and rules are validated before any port
-//! is bound ([`prepare`]); [`run`] builds the engine ([`engine`]), the
-//! decision layer and the servers ([`serve`]), runs the background loops
-//! ([`loops`]) under one stop signal, and shuts down in order
-//! ([`shutdown`]). Signal handling for every long-running command lives in
+//! is bound ([`prepare`]); [`run`] builds the engine (`engine`), the
+//! decision layer and the servers (`serve`), runs the background loops
+//! (`loops`) under one stop signal, and shuts down in order
+//! (`shutdown`). Signal handling for every long-running command lives in
 //! [`signals`].
 
 mod engine;

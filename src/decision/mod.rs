@@ -1,8 +1,8 @@
 //! The decision layer between transports and engines: matches a request's
-//! descriptors against the current rules ([`plan`]), hands the charges to
+//! descriptors against the current rules (`plan`), hands the charges to
 //! the engine as one batch, and turns the outcome into per-descriptor
 //! statuses, the overall code and the optional RateLimit-* headers
-//! ([`respond`]). Transport-neutral: gRPC and `POST /json` both call
+//! (`respond`). Transport-neutral: gRPC and `POST /json` both call
 //! [`Limiter::decide`].
 
 mod plan;

@@ -4,18 +4,18 @@
 //!
 //! - While the breaker is healthy and none of the request's keys is
 //!   suspect, the request goes to the backend within a budget that follows
-//!   what Redis is doing ([`call`]): a busy Redis gets the long budget and a
+//!   what Redis is doing (`call`): a busy Redis gets the long budget and a
 //!   request it does not answer in time is denied (its late reply folded
 //!   in), a silent one the short budget and a lease decision. A client never
 //!   waits on a dead or hung Redis and never sees an error because of it; a
 //!   call that may have run and never answers leaves its keys suspect
 //!   (decided locally until repaired, see [`ledger`]).
 //! - Off Redis, a replica holds there what it may still grant of its leases
-//!   (holds, see [`Self::update_holds`]), so replicas back on Redis do not
+//!   (holds, see `ResilientEngine::update_holds`), so replicas back on Redis do not
 //!   grant it too.
 //! - Otherwise (tripped, probing, settling, or a suspect key) it is decided
 //!   locally on leases ([`lease`]): this replica's share of each limit.
-//! - The recovery loop ([`recovery`]) probes when tripped, replays local
+//! - The recovery loop (`recovery`) probes when tripped, replays local
 //!   usage and repairs suspect keys, and lets the breaker ([`breaker`])
 //!   return to healthy only after a replay round has finished and the
 //!   settle period has passed.
