@@ -193,8 +193,14 @@ impl RedisEngine {
         let mut applied = 0;
         for group in groups.values() {
             for chunk in group.chunks(REPLAY_BATCH) {
-                let (keys, args) =
-                    scripts::replay_args(&self.prefix, index, epoch, self.margin_ms, chunk);
+                let (keys, args) = scripts::replay_args(
+                    &self.prefix,
+                    index,
+                    epoch,
+                    self.margin_ms,
+                    &self.boot,
+                    chunk,
+                );
                 let reply = self.redis.replay(keys, args, deadline).await?;
                 applied += reply.first().copied().unwrap_or(0).max(0) as u64;
             }

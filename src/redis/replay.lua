@@ -27,9 +27,14 @@
 -- never overwrite a newer one.
 --
 -- KEYS[i]  base key of entry i (all with one hash tag, so one slot)
+-- ARGV[4]  this replica's incarnation (boot id): local counts restart from
+--          zero with each incarnation, so the first local write of a new one
+--          keeps what the previous ones wrote as a base ("b<idx>", the
+--          writer's incarnation in "i<idx>") and sets "o<idx>" = base +
+--          value: a restart never lowers what an earlier run granted.
 -- ARGV[1]  this replica's index, ARGV[2] its current epoch, ARGV[3] expiry
 --          margin in ms
--- ARGV[4 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
+-- ARGV[5 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
 --          window, 4 token bucket), unit_ms, window index, value, limit, burst
 --
 -- Reply: {entries written, now_ms}. Windows whose keys would already have
@@ -37,6 +42,9 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local boot = ARGV[4]
+local base_field = 'b' .. me
+local boot_field = 'i' .. me
 local fence = 'f' .. me
 local local_field = 'o' .. me
 local hold_field = 'h' .. me
@@ -44,7 +52,7 @@ local version = 'v' .. me
 local epoch_n = tonumber(epoch)
 local written = 0
 for i = 1, #KEYS do
-  local o = 4 + 7 * (i - 1)
+  local o = 5 + 7 * (i - 1)
   local kind = tonumber(ARGV[o])
   local algo = tonumber(ARGV[o + 1])
   local unit = tonumber(ARGV[o + 2])
@@ -61,6 +69,12 @@ for i = 1, #KEYS do
   local current = tonumber(redis.call('HGET', key, guard)) or 0
   if life > now and (algo == 1 or algo == 2 or algo == 4) and epoch_n >= current then
     if kind == 1 then
+      local prior = tonumber(redis.call('HGET', key, base_field)) or 0
+      if redis.call('HGET', key, boot_field) ~= boot then
+        prior = tonumber(redis.call('HGET', key, local_field)) or 0
+        redis.call('HSET', key, base_field, prior, boot_field, boot)
+      end
+      value = prior + value
       if algo == 4 then
         -- Draw from the bucket the tokens Redis has not seen yet, once: the
         -- local field is the replay marker, set in the same step.

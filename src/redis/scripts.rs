@@ -145,16 +145,18 @@ pub fn replay_args(
     index: u64,
     epoch: u64,
     margin_ms: u64,
+    boot: &str,
     entries: &[&ReplayEntry],
 ) -> (Vec<String>, Vec<String>) {
     let keys = entries
         .iter()
         .map(|e| keys::counter_base(prefix, &e.key))
         .collect();
-    let mut args = Vec::with_capacity(3 + 7 * entries.len());
+    let mut args = Vec::with_capacity(4 + 7 * entries.len());
     args.push(index.to_string());
     args.push(epoch.to_string());
     args.push(margin_ms.to_string());
+    args.push(boot.to_string());
     for e in entries {
         let kind = match e.kind {
             ReplayKind::Local => "1",

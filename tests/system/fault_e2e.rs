@@ -868,3 +868,60 @@ async fn on_leases(rep: &Leasehold, req: leasehold::proto::rls::RateLimitRequest
     }
     panic!("the replica never went to its leases");
 }
+
+/// A replica restarted without a journal, in the same window, after its
+/// lease grants reached Redis: its next outage's grants add to what the
+/// previous run wrote instead of replacing it. Default settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_replica_adds_to_its_previous_runs_local_grants() {
+    let dir = test_dir("restart-add");
+    let redis = RedisServer::start("redis", &dir);
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("a.yaml"), "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n").expect("write");
+    let url = redis.url();
+    let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    let into = now_ms() % 60_000;
+    if into > 25_000 {
+        tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
+    }
+    let window = now_ms() / 60_000;
+    let key = format!("lh:{{a}}|k=v#60:fw@{window}");
+    let mut granted = 0;
+    for run in ["first", "second"] {
+        let rep = tokio::task::block_in_place(|| {
+            Leasehold::start(run, &rules, &["--replica-id", "a1"], &env, &dir)
+        });
+        let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
+            .await
+            .expect("connect");
+        redis.proc.signal("STOP").expect("signal STOP");
+        granted += on_leases(&rep, single("a", &[("k", "v")])).await;
+        for _ in 0..20 {
+            let r = client
+                .should_rate_limit(single("a", &[("k", "v")]))
+                .await
+                .expect("answered")
+                .into_inner();
+            assert_eq!(r.overall_code, Code::Ok as i32);
+            granted += 1;
+        }
+        redis.proc.signal("CONT").expect("signal CONT");
+        let back = tokio::task::block_in_place(|| {
+            wait_until(Duration::from_secs(10), || {
+                status(rep.http).is_some_and(|s| {
+                    s["engine"]["path"] == "redis" && s["engine"]["ledger"]["keys_to_replay"] == 0
+                })
+            })
+        });
+        assert!(back, "{run}: back on Redis with nothing to replay");
+        assert_eq!(
+            redis_total(&redis, &key),
+            Some(granted),
+            "{run}: Redis holds every lease grant so far"
+        );
+        let mut rep = rep;
+        rep.proc.signal("TERM").expect("signal TERM");
+        let _ = tokio::task::block_in_place(|| rep.proc.wait_exit(Duration::from_secs(8)));
+    }
+}

@@ -29,7 +29,12 @@ pub struct JournalEntry {
     pub algorithm: String,
     pub burst: u32,
     pub window: u64,
+    /// This run's cumulative local grants in the window.
     pub local_own: i64,
+    /// The part of them Redis has not confirmed. Absent in journals of
+    /// earlier versions, which are read as all unconfirmed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreplayed: Option<i64>,
 }
 
 impl JournalEntry {
@@ -42,7 +47,14 @@ impl JournalEntry {
             burst: spec.burst,
             window,
             local_own,
+            unreplayed: Some(local_own),
         }
+    }
+
+    /// With `replayed` of `local_own` already confirmed by Redis.
+    pub fn with_replayed(mut self, replayed: i64) -> Self {
+        self.unreplayed = Some(self.local_own - replayed);
+        self
     }
 
     /// Back to ledger terms; None for an entry this version cannot read.
@@ -117,6 +129,7 @@ pub struct Restored {
     pub key: CounterKey,
     pub spec: LimitSpec,
     pub window: u64,
+    /// What the previous run granted locally in the window (its lease used).
     pub local_own: i64,
 }
 
@@ -131,7 +144,11 @@ pub fn restore(journal: &Journal, ledger: &Ledger, now_ms: u64, margin_ms: u64) 
                 match e.decode() {
                     Some((key, spec, window, local_own)) => {
                         if window_live(&spec, window, now_ms, margin_ms) {
-                            ledger.restore_local(&key, &spec, window, now_ms, local_own);
+                            // Only the unconfirmed part is this run's to
+                            // replay: replay adds it to what the previous
+                            // run's replays left in Redis.
+                            let unreplayed = e.unreplayed.unwrap_or(local_own);
+                            ledger.restore_local(&key, &spec, window, now_ms, unreplayed);
                             restored.push(Restored {
                                 key,
                                 spec,
@@ -169,8 +186,16 @@ mod tests {
         let e = JournalEntry::new(&key, &spec, 42, 7);
         j.store(std::slice::from_ref(&e)).expect("store");
         let loaded = j.load().expect("load");
-        assert_eq!(loaded, vec![e]);
+        assert_eq!(loaded, vec![e.clone()]);
         assert_eq!(loaded[0].decode(), Some((key, spec, 42, 7)));
+        // The confirmed part is kept apart; an entry of an earlier version
+        // (no `unreplayed`) reads as all unconfirmed.
+        assert_eq!(e.clone().with_replayed(3).unreplayed, Some(4));
+        let old: JournalEntry = serde_json::from_str(
+            r#"{"key":"d|k=v#60:fw","requests_per_unit":100,"unit":"minute","algorithm":"fixed_window","burst":100,"window":42,"local_own":7}"#,
+        )
+        .expect("old entry");
+        assert_eq!((old.local_own, old.unreplayed), (7, None));
         j.store(&[]).expect("store empty");
         assert_eq!(j.load(), Ok(Vec::new()));
     }

@@ -258,7 +258,7 @@ impl ResilientEngine {
             .ledger
             .unreplayed_snapshot()
             .iter()
-            .map(|(k, s, w, n)| JournalEntry::new(k, s, *w, *n))
+            .map(|(k, s, w, n, replayed)| JournalEntry::new(k, s, *w, *n).with_replayed(*replayed))
             .collect();
         if last.as_ref() == Some(&snapshot) {
             return;

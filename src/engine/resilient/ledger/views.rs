@@ -106,14 +106,14 @@ impl Ledger {
         all.into_iter().take(n).map(|(_, k, s)| (k, s)).collect()
     }
 
-    /// Every (key, spec, window, cumulative local count) Redis has not
-    /// confirmed yet: the journal's snapshot.
-    pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64)> {
+    /// Every (key, spec, window, cumulative local count, the part Redis
+    /// confirmed) with something unconfirmed: the journal's snapshot.
+    pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64, i64)> {
         let mut out = Vec::new();
         for shard in &self.shards {
             for (key, e) in shard.lock().iter() {
                 for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
-                    out.push((key.clone(), e.spec, w.window, w.local_own));
+                    out.push((key.clone(), e.spec, w.window, w.local_own, w.local_replayed));
                 }
             }
         }
