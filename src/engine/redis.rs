@@ -184,7 +184,6 @@ impl RedisEngine {
         deadline: Duration,
     ) -> Result<u64, CallError> {
         let index = self.membership.index().ok_or_else(not_registered)?;
-        let epoch = self.bump_epoch();
         // Group by hash tag so each call stays in one slot.
         let mut groups: HashMap<&str, Vec<&ReplayEntry>> = HashMap::new();
         for e in entries {
@@ -193,16 +192,36 @@ impl RedisEngine {
         let mut applied = 0;
         for group in groups.values() {
             for chunk in group.chunks(REPLAY_BATCH) {
-                let (keys, args) = scripts::replay_args(
-                    &self.prefix,
-                    index,
-                    epoch,
-                    self.margin_ms,
-                    &self.boot,
-                    chunk,
-                );
-                let reply = self.redis.replay(keys, args, deadline).await?;
-                applied += reply.first().copied().unwrap_or(0).max(0) as u64;
+                // Once more past a guard this replica never set (a previous
+                // run's epoch from a clock that stepped back), with an epoch
+                // above it: replay sets values, so writing twice is safe.
+                let mut still_fenced = 0;
+                for _ in 0..2 {
+                    let epoch = self.bump_epoch();
+                    let (keys, args) = scripts::replay_args(
+                        &self.prefix,
+                        index,
+                        epoch,
+                        self.margin_ms,
+                        &self.boot,
+                        chunk,
+                    );
+                    let reply = self.redis.replay(keys, args, deadline).await?;
+                    applied += reply.first().copied().unwrap_or(0).max(0) as u64;
+                    let fenced = reply.get(2).copied().unwrap_or(0).max(0) as u64;
+                    still_fenced = fenced;
+                    if fenced == 0 {
+                        break;
+                    }
+                    tracing::warn!(fenced, epoch, "replay found a newer epoch than this replica's; raising it and replaying again");
+                    self.epoch.fetch_max(fenced, Ordering::SeqCst);
+                }
+                if still_fenced != 0 {
+                    // Not marked replayed: the next round tries again.
+                    return Err(CallError::Reply(format!(
+                        "replay still fenced at epoch {still_fenced}"
+                    )));
+                }
             }
         }
         Ok(applied)

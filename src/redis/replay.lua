@@ -37,8 +37,12 @@
 -- ARGV[5 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
 --          window, 4 token bucket), unit_ms, window index, value, limit, burst
 --
--- Reply: {entries written, now_ms}. Windows whose keys would already have
--- expired are skipped: their usage can no longer matter.
+-- Reply: {entries written, now_ms, fenced}. Windows whose keys would
+-- already have expired are skipped: their usage can no longer matter.
+-- fenced: the highest guard above this call's epoch (0: none), for entries
+-- skipped because an epoch this replica never saw (a previous run's, with a
+-- clock that stepped back) guards them; the caller raises its epoch above
+-- it and replays again, so nothing is dropped without notice.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -51,6 +55,7 @@ local hold_field = 'h' .. me
 local version = 'v' .. me
 local epoch_n = tonumber(epoch)
 local written = 0
+local fenced = 0
 for i = 1, #KEYS do
   local o = 5 + 7 * (i - 1)
   local kind = tonumber(ARGV[o])
@@ -67,6 +72,9 @@ for i = 1, #KEYS do
   local guard = version
   if kind == 2 then guard = fence end
   local current = tonumber(redis.call('HGET', key, guard)) or 0
+  if life > now and (algo == 1 or algo == 2 or algo == 4) and epoch_n < current then
+    fenced = math.max(fenced, current)
+  end
   if life > now and (algo == 1 or algo == 2 or algo == 4) and epoch_n >= current then
     if kind == 1 then
       local prior = tonumber(redis.call('HGET', key, base_field)) or 0
@@ -111,4 +119,4 @@ for i = 1, #KEYS do
     written = written + 1
   end
 end
-return {written, now}
+return {written, now, fenced}

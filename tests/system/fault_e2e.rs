@@ -925,3 +925,60 @@ async fn a_restarted_replica_adds_to_its_previous_runs_local_grants() {
         let _ = tokio::task::block_in_place(|| rep.proc.wait_exit(Duration::from_secs(8)));
     }
 }
+
+/// A replay that meets a guard this replica never set (the epoch of a
+/// previous run whose clock was ahead) raises its epoch and replays again,
+/// instead of being counted as done while Redis kept nothing. Default
+/// settings; the guard is planted with redis-cli.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_behind_an_unknown_guard_is_not_dropped() {
+    let dir = test_dir("fenced-replay");
+    let redis = RedisServer::start("redis", &dir);
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("mkdir");
+    std::fs::write(rules.join("g.yaml"), "domain: g\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n").expect("write");
+    let url = redis.url();
+    let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    let into = now_ms() % 60_000;
+    if into > 35_000 {
+        tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
+    }
+    let rep = tokio::task::block_in_place(|| {
+        Leasehold::start("g1", &rules, &["--replica-id", "g1"], &env, &dir)
+    });
+    let index = status(rep.http)
+        .and_then(|s| s["engine"]["redis"]["membership"]["index"].as_u64())
+        .expect("registered");
+    let window = now_ms() / 60_000;
+    let key = format!("lh:{{g}}|k=v#60:fw@{window}");
+    // An epoch about eleven days ahead of this run's, on this replica's
+    // local-field guard.
+    let ahead = (now_ms() + 1_000_000_000) * 1_000;
+    redis.cli(&["HSET", &key, &format!("v{index}"), &ahead.to_string()]);
+    let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
+        .await
+        .expect("connect");
+    redis.proc.signal("STOP").expect("signal STOP");
+    let mut granted = on_leases(&rep, single("g", &[("k", "v")])).await;
+    for _ in 0..15 {
+        let r = client
+            .should_rate_limit(single("g", &[("k", "v")]))
+            .await
+            .expect("answered")
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        granted += 1;
+    }
+    redis.proc.signal("CONT").expect("signal CONT");
+    let exact = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(10), || {
+            redis_total(&redis, &key) == Some(granted)
+        })
+    });
+    assert!(
+        exact,
+        "Redis holds the {granted} lease grants: {}\n{}",
+        redis.cli(&["HGETALL", &key]),
+        rep.proc.log_text()
+    );
+}
