@@ -801,22 +801,9 @@ async fn sigterm_replays_lease_grants_or_says_what_was_lost() {
         let rep = tokio::task::block_in_place(|| {
             Leasehold::start(id, &rules, &["--replica-id", id], &env, &dir)
         });
-        let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
-            .await
-            .expect("connect");
         // Redis hangs: calls time out, the breaker trips, grants go on the
         // lease.
-        redis.proc.signal("STOP").expect("signal STOP");
-        let mut local = on_leases(&rep, single("t", &[("k", "v")])).await;
-        for _ in 0..40 {
-            let r = client
-                .should_rate_limit(single("t", &[("k", "v")]))
-                .await
-                .expect("answered")
-                .into_inner();
-            assert_eq!(r.overall_code, Code::Ok as i32);
-            local += 1;
-        }
+        let local = grants_while_hung(&redis, &rep, single("t", &[("k", "v")]), 40).await;
         if round == 0 {
             redis.proc.signal("CONT").expect("signal CONT");
         }
@@ -892,20 +879,7 @@ async fn a_restarted_replica_adds_to_its_previous_runs_local_grants() {
         let rep = tokio::task::block_in_place(|| {
             Leasehold::start(run, &rules, &["--replica-id", "a1"], &env, &dir)
         });
-        let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
-            .await
-            .expect("connect");
-        redis.proc.signal("STOP").expect("signal STOP");
-        granted += on_leases(&rep, single("a", &[("k", "v")])).await;
-        for _ in 0..20 {
-            let r = client
-                .should_rate_limit(single("a", &[("k", "v")]))
-                .await
-                .expect("answered")
-                .into_inner();
-            assert_eq!(r.overall_code, Code::Ok as i32);
-            granted += 1;
-        }
+        granted += grants_while_hung(&redis, &rep, single("a", &[("k", "v")]), 20).await;
         redis.proc.signal("CONT").expect("signal CONT");
         let back = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
@@ -955,20 +929,7 @@ async fn a_replay_behind_an_unknown_guard_is_not_dropped() {
     // local-field guard.
     let ahead = (now_ms() + 1_000_000_000) * 1_000;
     redis.cli(&["HSET", &key, &format!("v{index}"), &ahead.to_string()]);
-    let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
-        .await
-        .expect("connect");
-    redis.proc.signal("STOP").expect("signal STOP");
-    let mut granted = on_leases(&rep, single("g", &[("k", "v")])).await;
-    for _ in 0..15 {
-        let r = client
-            .should_rate_limit(single("g", &[("k", "v")]))
-            .await
-            .expect("answered")
-            .into_inner();
-        assert_eq!(r.overall_code, Code::Ok as i32);
-        granted += 1;
-    }
+    let granted = grants_while_hung(&redis, &rep, single("g", &[("k", "v")]), 15).await;
     redis.proc.signal("CONT").expect("signal CONT");
     let exact = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(10), || {
@@ -981,4 +942,30 @@ async fn a_replay_behind_an_unknown_guard_is_not_dropped() {
         redis.cli(&["HGETALL", &key]),
         rep.proc.log_text()
     );
+}
+
+/// Hangs Redis (SIGSTOP; the caller resumes it), waits until the replica
+/// decides on its leases, then sends `n` more calls that must all be
+/// admitted there. Returns every admission, warm-up included.
+async fn grants_while_hung(
+    redis: &RedisServer,
+    rep: &Leasehold,
+    req: leasehold::proto::rls::RateLimitRequest,
+    n: usize,
+) -> i64 {
+    let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
+        .await
+        .expect("connect");
+    redis.proc.signal("STOP").expect("signal STOP");
+    let mut granted = on_leases(rep, req.clone()).await;
+    for _ in 0..n {
+        let r = client
+            .should_rate_limit(req.clone())
+            .await
+            .expect("answered")
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        granted += 1;
+    }
+    granted
 }
