@@ -312,7 +312,12 @@ impl Ledger {
         self.with_entry(key, spec, now_ms, |e| {
             let w = e.window_mut(window);
             w.redis_own = w.redis_own.saturating_add(item.delta);
-            e.last_remaining = Some((window, item.remaining, redis_now_ms));
+            // A late reply must not replace a newer remainder with the
+            // older one it carries (a lease from it would hand out what
+            // was granted since).
+            if e.last_remaining.is_none_or(|(_, _, at)| redis_now_ms >= at) {
+                e.last_remaining = Some((window, item.remaining, redis_now_ms));
+            }
             if item.own >= 0 && item.total > 0 {
                 e.demand = Some((item.own.min(item.total) as f64) / (item.total as f64));
             }

@@ -152,3 +152,13 @@ fn no_data_loss_check_while_a_refund_is_in_flight() {
     l.note_answered(&k, true);
     assert_eq!(l.expected(&k, 5), 3, "both refunds confirmed");
 }
+
+#[test]
+fn a_late_reply_does_not_bring_back_an_older_remainder() {
+    let l = Ledger::new(10);
+    let (k, s) = key("late");
+    l.record_redis(&k, &s, 5_200, 1_000, &item(1, 50, 1, 50));
+    // A reply Redis produced earlier (at 5_100) arrives after it.
+    l.record_redis(&k, &s, 5_100, 1_010, &item(1, 90, 2, 10));
+    assert_eq!(l.lease_inputs(&k, &s, 5_200).1, Some(50));
+}
