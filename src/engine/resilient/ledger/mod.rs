@@ -23,10 +23,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::domain::backend::{RawItem, ReplayEntry, ReplayKind};
+use crate::domain::backend::{RawItem, ReplayEntry};
 use crate::key::CounterKey;
 use crate::limit::{Algorithm, LimitSpec};
 
+mod calls;
+mod holds;
+mod replay;
 mod views;
 
 const SHARDS: usize = 32;
@@ -140,14 +143,6 @@ pub fn window_of(spec: &LimitSpec, now_ms: u64) -> u64 {
     now_ms / spec.unit.millis()
 }
 
-/// Holds exist for the windowed algorithms, whose decisions read them.
-fn holdable(spec: &LimitSpec) -> bool {
-    matches!(
-        spec.algorithm,
-        Algorithm::FixedWindow | Algorithm::SlidingWindow
-    )
-}
-
 /// Whether a window's key is still alive in Redis (and so worth replaying).
 pub fn window_live(spec: &LimitSpec, window: u64, now_ms: u64, margin_ms: u64) -> bool {
     let unit = spec.unit.millis();
@@ -239,66 +234,6 @@ impl Ledger {
         self.len() == 0
     }
 
-    /// This replica's confirmed Redis-path count for `key` in `window`, or
-    /// -1 when unknown (the script's data-loss check).
-    /// This replica's confirmed count for the data-loss check, or -1 (no
-    /// check) when unknown or while a refund for the key is in flight.
-    pub fn expected(&self, key: &CounterKey, window: u64) -> i64 {
-        self.shard(key)
-            .lock()
-            .get(key)
-            .filter(|e| e.refunds_in_flight == 0)
-            .and_then(|e| {
-                e.windows
-                    .iter()
-                    .find(|w| w.window == window)
-                    .map(|w| w.redis_own)
-            })
-            .unwrap_or(-1)
-    }
-
-    /// Suspect keys are decided locally until repaired.
-    pub fn is_suspect(&self, key: &CounterKey) -> bool {
-        self.shard(key).lock().get(key).is_some_and(|e| e.suspect)
-    }
-
-    /// A Redis-path call for the key is about to be sent.
-    pub fn note_issue(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64, refund: bool) {
-        let noted = self.with_entry(key, spec, now_ms, |e| {
-            e.last_issue_ms = now_ms;
-            e.refunds_in_flight += u32::from(refund);
-            e.refunds_sent += u64::from(refund);
-            e.calls_in_flight += 1;
-        });
-        if noted.is_none() {
-            self.untracked.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Where the key's refunds stand: (refund calls sent so far, whether one
-    /// is in flight). A call's "lost" answer proves data loss only if the
-    /// mark did not move between reading `expected` and the reply: a refund
-    /// in flight meanwhile (this replica's own, on any connection) can have
-    /// lowered the field first.
-    pub fn refund_mark(&self, key: &CounterKey) -> (u64, bool) {
-        self.shard(key)
-            .lock()
-            .get(key)
-            .map_or((0, false), |e| (e.refunds_sent, e.refunds_in_flight > 0))
-    }
-
-    /// The call of [`Self::note_issue`] ended (answered or failed); a call
-    /// that may still run late leaves the key suspect, and a suspect key
-    /// makes no Redis-path calls until a fenced repair.
-    pub fn note_answered(&self, key: &CounterKey, refund: bool) {
-        if let Some(e) = self.shard(key).lock().get_mut(key) {
-            e.calls_in_flight = e.calls_in_flight.saturating_sub(1);
-            if refund {
-                e.refunds_in_flight = e.refunds_in_flight.saturating_sub(1);
-            }
-        }
-    }
-
     /// A Redis reply for one charge.
     pub fn record_redis(
         &self,
@@ -359,54 +294,6 @@ impl Ledger {
         }
     }
 
-    /// Keys this replica has granted on leases in their current window
-    /// (`window_of_spec`): holds are kept for them, see [`Self::hold`].
-    pub fn leased_keys(
-        &self,
-        window_of_spec: impl Fn(&LimitSpec) -> u64,
-    ) -> Vec<(CounterKey, LimitSpec)> {
-        let mut out = Vec::new();
-        for shard in &self.shards {
-            for (key, e) in shard.lock().iter() {
-                let w = window_of_spec(&e.spec);
-                if holdable(&e.spec) && e.windows.iter().any(|t| t.window == w && t.local_own > 0) {
-                    out.push((key.clone(), e.spec));
-                }
-            }
-        }
-        out
-    }
-
-    /// Holds in Redis what is left of a lease of `capacity` in `window`:
-    /// the capacity less what this replica granted locally there.
-    pub fn hold(
-        &self,
-        key: &CounterKey,
-        spec: &LimitSpec,
-        window: u64,
-        now_ms: u64,
-        capacity: i64,
-    ) {
-        if !holdable(spec) {
-            return;
-        }
-        self.with_entry(key, spec, now_ms, |e| {
-            let w = e.window_mut(window);
-            w.hold = capacity.saturating_sub(w.local_own).max(0);
-        });
-    }
-
-    /// Back on Redis: every hold goes to 0 (written by the next replay).
-    pub fn release_holds(&self) {
-        for shard in &self.shards {
-            for e in shard.lock().values_mut() {
-                for w in &mut e.windows {
-                    w.hold = 0;
-                }
-            }
-        }
-    }
-
     /// Redis lost data: every live window is re-asserted, both fields.
     pub fn reassert_all(&self) {
         for shard in &self.shards {
@@ -418,99 +305,6 @@ impl Ledger {
                         w.local_replayed = 0;
                         w.hold_written = 0;
                     }
-                }
-            }
-        }
-    }
-
-    /// What to replay now: local usage Redis has not confirmed, and repairs
-    /// of suspect keys whose last Redis call is at least `quiet_ms` old (none
-    /// can still be in flight). Also returns how many suspect keys are still
-    /// waiting for quiet.
-    pub fn replay_plan(
-        &self,
-        now_ms: u64,
-        redis_now_ms: u64,
-        quiet_ms: u64,
-        margin_ms: u64,
-    ) -> (Vec<Planned>, usize) {
-        let mut plan = Vec::new();
-        let mut waiting = 0;
-        for shard in &self.shards {
-            for (key, e) in shard.lock().iter() {
-                if !e.needs_replay() {
-                    continue;
-                }
-                let repairs =
-                    e.suspect && e.calls_in_flight == 0 && now_ms >= e.last_issue_ms + quiet_ms;
-                if e.suspect && !repairs {
-                    waiting += 1;
-                }
-                let mut entries = Vec::new();
-                for w in e
-                    .windows
-                    .iter()
-                    .filter(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms))
-                {
-                    if w.local_own != w.local_replayed {
-                        entries.push(ReplayEntry {
-                            key: key.clone(),
-                            spec: e.spec,
-                            window: w.window,
-                            kind: ReplayKind::Local,
-                            value: w.local_own,
-                        });
-                    }
-                    if w.hold != w.hold_written {
-                        entries.push(ReplayEntry {
-                            key: key.clone(),
-                            spec: e.spec,
-                            window: w.window,
-                            kind: ReplayKind::Hold,
-                            value: w.hold,
-                        });
-                    }
-                    if repairs {
-                        entries.push(ReplayEntry {
-                            key: key.clone(),
-                            spec: e.spec,
-                            window: w.window,
-                            kind: ReplayKind::Repair,
-                            value: w.redis_own,
-                        });
-                    }
-                }
-                if entries.is_empty() && !repairs {
-                    continue;
-                }
-                plan.push(Planned {
-                    entries,
-                    key: key.clone(),
-                    version: e.version,
-                    repairs,
-                });
-            }
-        }
-        (plan, waiting)
-    }
-
-    /// Records that Redis confirmed a plan: local values are replayed, and a
-    /// repaired key is clean unless it became suspect again meanwhile.
-    pub fn mark_replayed(&self, planned: &[Planned]) {
-        for p in planned {
-            if let Some(e) = self.shard(&p.key).lock().get_mut(&p.key) {
-                for entry in &p.entries {
-                    let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) else {
-                        continue;
-                    };
-                    match entry.kind {
-                        ReplayKind::Local => w.local_replayed = entry.value,
-                        ReplayKind::Hold => w.hold_written = entry.value,
-                        ReplayKind::Repair => {}
-                    }
-                }
-                if p.repairs && e.version == p.version {
-                    e.suspect = false;
                 }
             }
         }

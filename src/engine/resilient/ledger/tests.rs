@@ -1,5 +1,6 @@
 //! Unit tests of the ledger.
 use super::*;
+use crate::domain::backend::ReplayKind;
 use crate::limit::Unit;
 use std::sync::atomic::Ordering;
 

@@ -1,0 +1,100 @@
+//! The replay plan: local usage Redis has not confirmed, holds to write,
+//! and fenced repairs of quiet suspect keys; and marking a plan done.
+
+use super::{window_live, Ledger, Planned};
+use crate::domain::backend::{ReplayEntry, ReplayKind};
+
+impl Ledger {
+    /// What to replay now: local usage Redis has not confirmed, and repairs
+    /// of suspect keys whose last Redis call is at least `quiet_ms` old (none
+    /// can still be in flight). Also returns how many suspect keys are still
+    /// waiting for quiet.
+    pub fn replay_plan(
+        &self,
+        now_ms: u64,
+        redis_now_ms: u64,
+        quiet_ms: u64,
+        margin_ms: u64,
+    ) -> (Vec<Planned>, usize) {
+        let mut plan = Vec::new();
+        let mut waiting = 0;
+        for shard in &self.shards {
+            for (key, e) in shard.lock().iter() {
+                if !e.needs_replay() {
+                    continue;
+                }
+                let repairs =
+                    e.suspect && e.calls_in_flight == 0 && now_ms >= e.last_issue_ms + quiet_ms;
+                if e.suspect && !repairs {
+                    waiting += 1;
+                }
+                let mut entries = Vec::new();
+                for w in e
+                    .windows
+                    .iter()
+                    .filter(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms))
+                {
+                    if w.local_own != w.local_replayed {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Local,
+                            value: w.local_own,
+                        });
+                    }
+                    if w.hold != w.hold_written {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Hold,
+                            value: w.hold,
+                        });
+                    }
+                    if repairs {
+                        entries.push(ReplayEntry {
+                            key: key.clone(),
+                            spec: e.spec,
+                            window: w.window,
+                            kind: ReplayKind::Repair,
+                            value: w.redis_own,
+                        });
+                    }
+                }
+                if entries.is_empty() && !repairs {
+                    continue;
+                }
+                plan.push(Planned {
+                    entries,
+                    key: key.clone(),
+                    version: e.version,
+                    repairs,
+                });
+            }
+        }
+        (plan, waiting)
+    }
+
+    /// Records that Redis confirmed a plan: local values are replayed, and a
+    /// repaired key is clean unless it became suspect again meanwhile.
+    pub fn mark_replayed(&self, planned: &[Planned]) {
+        for p in planned {
+            if let Some(e) = self.shard(&p.key).lock().get_mut(&p.key) {
+                for entry in &p.entries {
+                    let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) else {
+                        continue;
+                    };
+                    match entry.kind {
+                        ReplayKind::Local => w.local_replayed = entry.value,
+                        ReplayKind::Hold => w.hold_written = entry.value,
+                        ReplayKind::Repair => {}
+                    }
+                }
+                if p.repairs && e.version == p.version {
+                    e.suspect = false;
+                }
+            }
+        }
+    }
+}
