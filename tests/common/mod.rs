@@ -215,6 +215,20 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// A counter window's total over every count field (the local `o<idx>`
+    /// ones included), as leasehold's key layout defines it; None when the
+    /// key does not exist.
+    pub fn window_total(&self, key: &str) -> Option<i64> {
+        let flat = self.cli(&["HGETALL", key]);
+        let lines: Vec<&str> = flat.lines().collect();
+        if lines.is_empty() {
+            return None;
+        }
+        Some(leasehold::redis::keys::window_total(
+            lines.chunks_exact(2).map(|p| (p[0], p[1])),
+        ))
+    }
+
     /// Every key (SCAN), sorted.
     pub fn keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self.cli(&["--scan"]).lines().map(str::to_owned).collect();

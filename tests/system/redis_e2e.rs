@@ -769,7 +769,7 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
                 })
             })
         });
-        let in_redis = every_field_total(&redis, &key);
+        let in_redis = redis.window_total(&key).unwrap_or(0);
         let engines: Vec<String> = replicas
             .iter()
             .filter_map(|rep| get(rep.http, "/status").ok())
@@ -796,11 +796,4 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
         assert_eq!(in_redis, ok as i64, "Redis = grants: {report:?}");
     }
     eprintln!("{}", report.join("\n"));
-}
-
-/// A window's total over every field, the local (`o<idx>`) ones included.
-fn every_field_total(redis: &RedisServer, key: &str) -> i64 {
-    let flat = redis.cli(&["HGETALL", key]);
-    let lines: Vec<&str> = flat.lines().collect();
-    leasehold::redis::keys::window_total(lines.chunks_exact(2).map(|p| (p[0], p[1])))
 }

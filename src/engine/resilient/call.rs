@@ -127,11 +127,8 @@ impl ResilientEngine {
         let marks: Vec<(u64, bool)> = batch
             .charges
             .iter()
-            .map(|c| self.ledger.refund_mark(&c.key))
+            .map(|c| self.ledger.note_issue(&c.key, &c.spec, now, c.refund))
             .collect();
-        for c in &batch.charges {
-            self.ledger.note_issue(&c.key, &c.spec, now, c.refund);
-        }
         let expected: Vec<(i64, u64)> = batch
             .charges
             .iter()
@@ -201,15 +198,18 @@ impl ResilientEngine {
         marks: &[(u64, bool)],
         result: Result<RawReply, CallError>,
     ) -> Result<RawReply, CallError> {
-        let refunds_moved = batch
-            .charges
-            .iter()
-            .zip(marks)
-            .any(|(c, &(sent, in_flight))| {
-                in_flight || c.refund || self.ledger.refund_mark(&c.key).0 != sent
-            });
+        // Only a "lost" answer needs the check (the common reply skips it).
+        let refunds_moved = || {
+            batch
+                .charges
+                .iter()
+                .zip(marks)
+                .any(|(c, &(sent, in_flight))| {
+                    in_flight || c.refund || self.ledger.refund_mark(&c.key).0 != sent
+                })
+        };
         result.map(|mut reply| {
-            if reply.lost && refunds_moved {
+            if reply.lost && refunds_moved() {
                 reply.lost = false;
                 self.stats
                     .loss_checks_skipped
@@ -256,18 +256,7 @@ impl ResilientEngine {
             let now = self.clock.now_ms();
             match late.result {
                 Ok(reply) => self.fold_late(&late.batch, &reply, late.denied_unanswered, now),
-                Err(e) => {
-                    if e.maybe_applied() {
-                        for c in &late.batch.charges {
-                            self.ledger.mark_suspect(&c.key, &c.spec, now);
-                        }
-                    }
-                    if !late.failure_counted {
-                        let reason = e.to_string();
-                        self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
-                        self.transition(|b| b.on_failure(now, &reason));
-                    }
-                }
+                Err(e) => self.on_call_failed(&late.batch, &e, !late.failure_counted),
             }
             for c in &late.batch.charges {
                 self.ledger.note_answered(&c.key, c.refund);
@@ -308,18 +297,27 @@ impl ResilientEngine {
                 Some(self.on_reply(batch, &reply, now))
             }
             Err(e) => {
-                self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
-                if e.maybe_applied() {
-                    let at = self.clock.now_ms();
-                    for c in &batch.charges {
-                        self.ledger.mark_suspect(&c.key, &c.spec, at);
-                    }
-                }
                 tracing::debug!(error = %e, "Redis call failed; deciding locally");
-                let reason = e.to_string();
-                self.transition(|b| b.on_failure(self.clock.now_ms(), &reason));
+                self.on_call_failed(batch, &e, true);
                 None
             }
+        }
+    }
+
+    /// A call that ended without a reply: its keys become suspect if it may
+    /// have run, and (unless already told at its budget) the breaker hears
+    /// of a failure.
+    fn on_call_failed(&self, batch: &Batch, e: &CallError, count_failure: bool) {
+        let now = self.clock.now_ms();
+        if e.maybe_applied() {
+            for c in &batch.charges {
+                self.ledger.mark_suspect(&c.key, &c.spec, now);
+            }
+        }
+        if count_failure {
+            let reason = e.to_string();
+            self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
+            self.transition(|b| b.on_failure(now, &reason));
         }
     }
 

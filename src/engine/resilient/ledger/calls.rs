@@ -33,16 +33,27 @@ impl Ledger {
     }
 
     /// A Redis-path call for the key is about to be sent.
-    pub fn note_issue(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64, refund: bool) {
+    /// Returns the key's refund mark as it stood before this call (see
+    /// [`Self::refund_mark`]), read under the same lock.
+    pub fn note_issue(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        now_ms: u64,
+        refund: bool,
+    ) -> (u64, bool) {
         let noted = self.with_entry(key, spec, now_ms, |e| {
+            let mark = (e.refunds_sent, e.refunds_in_flight > 0);
             e.last_issue_ms = now_ms;
             e.refunds_in_flight += u32::from(refund);
             e.refunds_sent += u64::from(refund);
             e.calls_in_flight += 1;
+            mark
         });
-        if noted.is_none() {
+        noted.unwrap_or_else(|| {
             self.untracked.fetch_add(1, Ordering::Relaxed);
-        }
+            (0, false)
+        })
     }
 
     /// Where the key's refunds stand: (refund calls sent so far, whether one
