@@ -70,6 +70,12 @@ pub struct Settings {
     pub membership_heartbeat_ms: u64,
     /// A replica silent for this long is no longer a live member, in milliseconds.
     pub membership_ttl_ms: u64,
+    /// How long the replicas on Redis keep holding back the share of a
+    /// member whose heartbeats stopped (it may be cut off from Redis and
+    /// still serving on its lease), in milliseconds. A member that really
+    /// crashed costs its share for this long; one that stops cleanly
+    /// leaves at once.
+    pub membership_holdback_ms: u64,
     /// Consecutive failed or late Redis calls that trip the breaker.
     pub breaker_failures: u32,
     /// How often a tripped breaker probes Redis, in milliseconds.
@@ -139,6 +145,7 @@ impl Default for Settings {
             replica_id: None,
             membership_heartbeat_ms: 1_000,
             membership_ttl_ms: 5_000,
+            membership_holdback_ms: 30_000,
             breaker_failures: 3,
             breaker_probe_interval_ms: 500,
             breaker_probe_jitter_ms: 200,
@@ -302,6 +309,13 @@ impl Settings {
             return Err(invalid(
                 "membership_ttl_ms",
                 "must be longer than membership_heartbeat_ms",
+            ));
+        }
+        if self.membership_holdback_ms != 0 && self.membership_holdback_ms <= self.membership_ttl_ms
+        {
+            return Err(invalid(
+                "membership_holdback_ms",
+                "must be 0 (no hold-back) or longer than membership_ttl_ms",
             ));
         }
         Ok(())

@@ -129,6 +129,7 @@ pub async fn redis_engine(
         nonce,
         Duration::from_millis(settings.membership_heartbeat_ms),
         Duration::from_millis(settings.membership_ttl_ms),
+        Duration::from_millis(settings.membership_holdback_ms),
     ));
     membership.register().await?;
     if let Some(index) = membership.index() {

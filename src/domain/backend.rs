@@ -105,20 +105,70 @@ impl CallError {
 }
 
 /// Membership as last seen in the store.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Members {
     /// Live replicas (heartbeat within the TTL).
     pub live: usize,
     /// Times the store turned out to be a new dataset (lost its data).
     pub reregistrations: u64,
+    /// Field indices of the other live replicas.
+    pub peers: Vec<u64>,
+    /// Field indices of replicas whose heartbeats stopped within the
+    /// hold-back horizon: they may be cut off and deciding on their leases.
+    pub silent: Vec<u64>,
+}
+
+/// Replicas a decision call presumes to be deciding on their leases where
+/// the store cannot see it, so that what they may grant is counted as used
+/// (`decide.lua`, "presumed holds"). Empty on a healthy fleet.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Presume {
+    /// Set while this replica had a Redis failure recently (since the start
+    /// of the previous window of a charge): a number unique per failure
+    /// episode of this incarnation. The store then counts every replica in
+    /// `peers` as holding its share of each charge's window unless it has
+    /// proved, since the latest such episode of any replica, that it
+    /// decides that key on Redis with nothing unreplayed.
+    pub episode: Option<u64>,
+    pub peers: Vec<u64>,
+    /// Replicas whose heartbeats stopped: held back in every window until
+    /// the hold-back horizon has passed, whatever they proved before.
+    pub silent: Vec<u64>,
+    pub charges: Vec<PresumedCharge>,
+}
+
+/// One charge's part of [`Presume`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PresumedCharge {
+    /// The fraction of the limit presumed per replica (0: none).
+    pub fraction: f64,
+    /// Whether this replica may prove itself in the charge's window: it
+    /// granted nothing there that the store does not hold yet.
+    pub prove: bool,
+    /// This replica's own local count in the window that the store does
+    /// not hold yet (its replay is due): counted as used.
+    pub pending: i64,
+}
+
+impl Presume {
+    /// Whether the call carries anything to presume.
+    pub fn is_active(&self) -> bool {
+        (self.episode.is_some() && !self.peers.is_empty()) || !self.silent.is_empty()
+    }
 }
 
 /// The store behind the resilient engine.
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// One decision within the call budget. `expected[i]` is this replica's
-    /// confirmed (count, window) for charge i, count -1 when unknown.
-    async fn decide(&self, batch: &Batch, expected: &[(i64, u64)]) -> Result<RawReply, CallError>;
+    /// confirmed (count, window) for charge i, count -1 when unknown;
+    /// `presume` says whose unseen lease grants to count as used.
+    async fn decide(
+        &self,
+        batch: &Batch,
+        expected: &[(i64, u64)],
+        presume: &Presume,
+    ) -> Result<RawReply, CallError>;
 
     /// Sets this replica's fields for each (counter, window), behind a fresh
     /// fence; returns how many entries were live and written.

@@ -48,7 +48,7 @@ use async_trait::async_trait;
 use serde::Serialize;
 
 use super::{Engine, EngineStatus};
-use crate::domain::backend::{Backend, CallError, Members, RawReply, ReplayEntry};
+use crate::domain::backend::{Backend, CallError, Members, Presume, RawReply, ReplayEntry};
 use crate::domain::{Batch, BatchOutcome, EngineError};
 use crate::redis::membership::{MemberState, Membership, MembershipError};
 use crate::redis::scripts::{self, DecideCall, DecideReply, REPLAY_BATCH};
@@ -127,6 +127,7 @@ impl RedisEngine {
         batch: &Batch,
         index: u64,
         expected: &[(i64, u64)],
+        presume: &Presume,
     ) -> Result<DecideReply, CallError> {
         let call_id = format!(
             "{}.{}",
@@ -139,6 +140,8 @@ impl RedisEngine {
             margin_ms: self.margin_ms,
             call_id: &call_id,
             expected,
+            presume,
+            boot: &self.boot,
         };
         let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
         match self.redis.decide(keys, args, affinity(batch)).await {
@@ -161,12 +164,13 @@ impl RedisEngine {
         &self,
         batch: &Batch,
         expected: &[(i64, u64)],
+        presume: &Presume,
     ) -> Result<RawReply, CallError> {
         let index = self.membership.index().ok_or_else(not_registered)?;
-        match self.call(batch, index, expected).await? {
+        match self.call(batch, index, expected, presume).await? {
             DecideReply::Decided(reply) => Ok(reply),
             // Fenced: a rewrite happened after this call's epoch was read.
-            DecideReply::Fenced => match self.call(batch, index, expected).await? {
+            DecideReply::Fenced => match self.call(batch, index, expected, presume).await? {
                 DecideReply::Decided(reply) => Ok(reply),
                 DecideReply::Fenced => Err(CallError::Reply(
                     "call fenced twice by a concurrent rewrite".into(),
@@ -239,8 +243,13 @@ impl RedisEngine {
 
 #[async_trait]
 impl Backend for RedisEngine {
-    async fn decide(&self, batch: &Batch, expected: &[(i64, u64)]) -> Result<RawReply, CallError> {
-        self.decide_raw(batch, expected).await
+    async fn decide(
+        &self,
+        batch: &Batch,
+        expected: &[(i64, u64)],
+        presume: &Presume,
+    ) -> Result<RawReply, CallError> {
+        self.decide_raw(batch, expected, presume).await
     }
 
     async fn replay(&self, entries: &[ReplayEntry], budget: Duration) -> Result<u64, CallError> {
@@ -260,6 +269,13 @@ impl Backend for RedisEngine {
         Members {
             live: state.live.len(),
             reregistrations: state.reregistrations,
+            peers: state
+                .live_indices
+                .iter()
+                .copied()
+                .filter(|i| Some(*i) != state.index)
+                .collect(),
+            silent: state.silent_indices.clone(),
         }
     }
 
@@ -271,7 +287,7 @@ impl Backend for RedisEngine {
 #[async_trait]
 impl Engine for RedisEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
-        self.decide_raw(batch, &[])
+        self.decide_raw(batch, &[], &Presume::default())
             .await
             .map(|r| r.outcome())
             .map_err(|e| EngineError::Unavailable(e.to_string()))

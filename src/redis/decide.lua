@@ -9,17 +9,25 @@
 -- ARGV[3]  never_deny: "1" in global shadow mode
 -- ARGV[4]  expiry margin in ms, added to every key's natural lifetime
 -- ARGV[5]  call id, unique per replica incarnation (sliding-log member ids)
--- ARGV[6 + 8*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
+-- ARGV[6]  failure-episode token of this replica ("" when it had no Redis
+--          failure recently), see "presumed holds" below
+-- ARGV[7]  presumed peers: comma-separated field indices ("" none)
+-- ARGV[8]  silent members: comma-separated field indices ("" none)
+-- ARGV[9 + 11*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
 --          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota),
 --          expected: this replica's confirmed count in window `expected_w`
---          (-1 unknown), expected_w. When the call lands in that window and
---          the field is below it, Redis lost data.
+--          (-1 unknown), expected_w (when the call lands in that window and
+--          the field is below it, Redis lost data), the fraction of the
+--          limit presumed per member, "1" when this replica may prove
+--          itself in the window (it granted nothing there Redis lacks), and
+--          its own local count in the window that it has not replayed yet
+--          (counted as used, never written).
 --
 -- Reply: {status, now_ms, denied, lost, then per charge: over, remaining,
 --         reset_ms, own, total, delta}. own/total: this replica's count and
 --         the key's total in the previous (complete) window, for demand
---         shares. status 1 = applied or denied; -1 =
+--         shares (own -1 when some replica decided off Redis in it). status 1 = applied or denied; -1 =
 --         stale: this replica's epoch is below a fence on one of the keys, so
 --         nothing was written and the caller must not count this call. lost
 --         = 1 when an own field was below what the replica knew it to be
@@ -35,6 +43,19 @@
 -- replica idx, deciding off Redis, has not granted yet of its lease (replay
 -- sets it). The total is the sum of all "<idx>" and "o<idx>" fields; a
 -- decision also counts the other replicas' "h" fields as used.
+--
+-- Presumed holds (fixed and sliding window). A replica deciding on its
+-- lease writes nothing until Redis answers it again, so a replica that is
+-- back on Redis cannot see what the others granted meanwhile. After a
+-- failure of its own (ARGV[6] set), a replica therefore counts each peer as
+-- holding `fraction × limit` of the window unless that peer has proved
+-- itself since: "x" holds the token of the latest failure episode any
+-- replica announced in this window ("y<idx>": the one replica idx announced
+-- last, so each episode is announced once), and "g<idx>" = "x" says replica
+-- idx decided this key on Redis after it, with nothing unreplayed. Any
+-- replica's call proves itself when "x" is set and it may. Silent members
+-- (heartbeats stopped) are presumed in every window, proved or not. A
+-- presumed member's own "h" counts towards its presumption, not on top.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = ARGV[1]
@@ -43,15 +64,35 @@ local fence_field = 'f' .. me
 local never_deny = ARGV[3] == '1'
 local margin = tonumber(ARGV[4])
 local call_id = ARGV[5]
+local episode = ARGV[6]
 local n = #KEYS
+
+local function indices(list)
+  local out = {}
+  for v in string.gmatch(list, '[^,]+') do
+    if v ~= me then out[#out + 1] = v end
+  end
+  return out
+end
+local peers = indices(ARGV[7])
+local silent = indices(ARGV[8])
+local is_silent = {}
+for _, j in ipairs(silent) do is_silent[j] = true end
+local announce = ''
+if episode ~= '' then announce = me .. ':' .. episode end
 
 -- Sum of the count fields of a window hash, this replica's Redis-path
 -- field, its local (outage) field, and its fence.
 local local_field = 'o' .. me
 local hold_field = 'h' .. me
+local announced_field = 'y' .. me
 local function read_window(key)
   local flat = redis.call('HGETALL', key)
   local total, own, own_local, fence, held = 0, 0, 0, 0, 0
+  local holds, proofs, x, mine = {}, {}, nil, nil
+  -- Some replica decided off Redis in this window (it replayed, held, or
+  -- announced a failure episode): its totals may be incomplete.
+  local troubled = false
   for i = 1, #flat, 2 do
     local f = flat[i]
     local b = string.byte(f, 1)
@@ -62,14 +103,58 @@ local function read_window(key)
     elseif b == 111 then -- 'o'
       local v = tonumber(flat[i + 1]) or 0
       total = total + v
+      troubled = true
       if f == local_field then own_local = v end
     elseif b == 104 then -- 'h': another replica's unspent lease
-      if f ~= hold_field then held = held + (tonumber(flat[i + 1]) or 0) end
+      troubled = true
+      if f ~= hold_field then
+        local v = tonumber(flat[i + 1]) or 0
+        held = held + v
+        holds[string.sub(f, 2)] = v
+      end
+    elseif b == 103 then -- 'g': a proof
+      proofs[string.sub(f, 2)] = flat[i + 1]
+    elseif f == 'x' then
+      x = flat[i + 1]
+      troubled = true
+    elseif f == announced_field then
+      mine = flat[i + 1]
     elseif f == fence_field then
       fence = tonumber(flat[i + 1]) or 0
     end
   end
-  return {total = total, own = own, own_local = own_local, fence = fence, held = held}
+  return {total = total, own = own, own_local = own_local, fence = fence, held = held,
+          holds = holds, proofs = proofs, x = x, mine = mine, troubled = troubled}
+end
+
+-- What the presumed members may grant in window `cur` unseen, beyond
+-- their holds (see "presumed holds"); also queues this call's
+-- announcement and proof for the window.
+local meta = {}
+local function presumed(key, cur, fraction, limit, prove, expire_at)
+  if announce ~= '' and fraction > 0 and cur.mine ~= episode then
+    cur.x = announce
+    cur.mine = episode
+    cur.proofs = {}
+    meta[#meta + 1] = {key, 'x', announce, announced_field, episode, expire_at}
+  elseif prove and cur.x and cur.proofs[me] ~= cur.x then
+    cur.proofs[me] = cur.x
+    meta[#meta + 1] = {key, 'g' .. me, cur.x, nil, nil, expire_at}
+  end
+  if fraction <= 0 then return 0 end
+  local share = math.floor(fraction * limit)
+  local extra = 0
+  for _, j in ipairs(silent) do
+    extra = extra + math.max(0, share - (cur.holds[j] or 0))
+  end
+  if announce ~= '' then
+    for _, j in ipairs(peers) do
+      if not is_silent[j] and (cur.x == nil or cur.proofs[j] ~= cur.x) then
+        extra = extra + math.max(0, share - (cur.holds[j] or 0))
+      end
+    end
+  end
+  return extra
 end
 
 -- Per-key state cache, so a key charged twice in one request sees its
@@ -91,7 +176,7 @@ local writes = {}
 local roles = {}
 
 for i = 1, n do
-  local o = 6 + 8 * (i - 1)
+  local o = 9 + 11 * (i - 1)
   local algo = tonumber(ARGV[o])
   local limit = tonumber(ARGV[o + 1])
   local unit = tonumber(ARGV[o + 2])
@@ -101,6 +186,9 @@ for i = 1, n do
   local refund = flags % 2 == 1
   local expected = tonumber(ARGV[o + 6])
   local expected_w = tonumber(ARGV[o + 7])
+  local fraction = tonumber(ARGV[o + 8]) or 0
+  local prove = ARGV[o + 9] == '1'
+  local pending = tonumber(ARGV[o + 10]) or 0
   roles[i] = math.floor(flags / 2)
   local base = KEYS[i]
   local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0, delta = 0}
@@ -121,9 +209,11 @@ for i = 1, n do
         weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
       end
     end
-    -- What the other replicas off Redis still hold of their leases counts
-    -- as used here, so it is not granted twice.
-    local count = cur.total + cur.held
+    local expire_at = (w + 1) * unit + margin
+    if algo == 2 then expire_at = expire_at + unit end
+    -- What the other replicas off Redis still hold of their leases, or may
+    -- hold unseen, counts as used here, so it is not granted twice.
+    local count = cur.total + pending + cur.held + presumed(key, cur, fraction, limit, prove, expire_at)
     local estimate = weighted + count
     local delta, after
     if refund then
@@ -141,10 +231,15 @@ for i = 1, n do
     cur.total = cur.total + delta
     cur.own = cur.own + delta
     r.delta = delta
-    r.own = prev.own + prev.own_local
-    r.total = prev.total
-    local expire_at = (w + 1) * unit + margin
-    if algo == 2 then expire_at = expire_at + unit end
+    -- Demand shares only from a window every replica decided on Redis:
+    -- shares taken from incomplete totals could add up to more than 1.
+    if prev.troubled then
+      r.own = -1
+      r.total = 0
+    else
+      r.own = prev.own + prev.own_local
+      r.total = prev.total
+    end
     if delta ~= 0 then
       writes[#writes + 1] = {'hincr', key, delta, expire_at}
     end
@@ -240,6 +335,17 @@ end
 
 if stale then
   return {-1, now, 0, 0}
+end
+
+-- Announcements and proofs are facts about who decides where, written
+-- whether or not the request is admitted.
+for _, m in ipairs(meta) do
+  if m[4] then
+    redis.call('HSET', m[1], m[2], m[3], m[4], m[5])
+  else
+    redis.call('HSET', m[1], m[2], m[3])
+  end
+  if redis.call('PTTL', m[1]) < 0 then redis.call('PEXPIREAT', m[1], m[6]) end
 end
 
 local enforce_over = false

@@ -14,13 +14,17 @@
 -- ARGV[5]  the index this replica used before (0: none): after Redis lost
 --          its data, a replica gets its old index back when it is free, so
 --          its counter fields keep their meaning
+-- ARGV[6]  hold-back horizon in ms: members silent longer than the TTL but
+--          not longer than this are reported as silent
 --
--- Reply: {1, index, now_ms, incarnation, live ids...} on success; {0, other nonce} when
+-- Reply: {1, index, now_ms, incarnation, {live ids}, {their indices},
+-- {silent members' indices}} on success; {0, other nonce} when
 -- another live incarnation owns the id (two writers of one field would
 -- corrupt replay, so the caller must not use it).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, nonce, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local holdback = tonumber(ARGV[6]) or 0
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= nonce then
   return {0, owner}
@@ -55,9 +59,18 @@ end
 for k = 2, 6 do
   redis.call('PEXPIRE', KEYS[k], 86400000)
 end
-local reply = {1, tonumber(idx), now, incarnation}
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - ttl, '+inf')
-for _, m in ipairs(live) do
-  reply[#reply + 1] = m
+local function indices(ids)
+  local out = {}
+  if #ids == 0 then return out end
+  for _, v in ipairs(redis.call('HMGET', KEYS[3], unpack(ids))) do
+    if v then out[#out + 1] = tonumber(v) end
+  end
+  return out
 end
-return reply
+-- Silent: heartbeats stopped, but within the hold-back horizon.
+local silent = {}
+if holdback > ttl then
+  silent = redis.call('ZRANGEBYSCORE', KEYS[2], now - holdback, '(' .. (now - ttl))
+end
+return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent)}

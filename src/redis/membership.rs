@@ -21,6 +21,11 @@ pub struct MemberState {
     pub index: Option<u64>,
     /// Live replica ids (heartbeat within the TTL), as of the last beat.
     pub live: Vec<String>,
+    /// Their field indices.
+    pub live_indices: Vec<u64>,
+    /// Field indices of members whose heartbeats stopped within the
+    /// hold-back horizon (see `membership_holdback_ms`).
+    pub silent_indices: Vec<u64>,
     /// Redis time of the last successful beat.
     pub last_beat_ms: Option<u64>,
     /// Set when another live incarnation owns this id.
@@ -47,6 +52,7 @@ pub struct Membership {
     nonce: String,
     ttl: Duration,
     every: Duration,
+    holdback: Duration,
     state: RwLock<MemberState>,
 }
 
@@ -58,6 +64,7 @@ impl Membership {
         nonce: String,
         every: Duration,
         ttl: Duration,
+        holdback: Duration,
     ) -> Self {
         Membership {
             keys: keys::membership(prefix, &id),
@@ -66,6 +73,7 @@ impl Membership {
             nonce,
             ttl,
             every,
+            holdback,
             state: RwLock::new(MemberState::default()),
         }
     }
@@ -90,6 +98,7 @@ impl Membership {
             self.ttl.as_millis(),
             action,
             self.state.read().index.unwrap_or(0),
+            self.holdback.as_millis(),
         );
         // Membership is off the request path: give it a budget that a slow
         // but healthy Redis meets.
@@ -109,7 +118,18 @@ impl Membership {
         let int = |v: Option<&Value>| v.and_then(|v| v.as_i64());
         match int(reply.first()) {
             Some(1) => {
-                let live = reply.iter().skip(4).filter_map(|v| v.as_string()).collect();
+                let list = |i: usize| match reply.get(i) {
+                    Some(Value::Array(items)) => items.clone(),
+                    _ => Vec::new(),
+                };
+                let live = list(4).iter().filter_map(|v| v.as_string()).collect();
+                let numbers = |i: usize| -> Vec<u64> {
+                    list(i)
+                        .iter()
+                        .filter_map(|v| v.as_i64())
+                        .map(|v| v.max(0) as u64)
+                        .collect()
+                };
                 let incarnation = reply.get(3).and_then(|v| v.as_string());
                 let mut s = self.state.write();
                 if s.incarnation.is_some() && incarnation.is_some() && s.incarnation != incarnation
@@ -123,6 +143,8 @@ impl Membership {
                 s.index = int(reply.get(1)).map(|i| i as u64);
                 s.last_beat_ms = int(reply.get(2)).map(|i| i as u64);
                 s.live = live;
+                s.live_indices = numbers(5);
+                s.silent_indices = numbers(6);
                 s.conflict = None;
                 s.last_error = None;
                 Ok(())

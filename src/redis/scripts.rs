@@ -3,7 +3,7 @@
 //! gives (decoded here into domain values). The scripts' own headers say
 //! the same from the Lua side; the two are kept side by side on purpose.
 
-use crate::domain::backend::{RawItem, RawReply, ReplayEntry, ReplayKind};
+use crate::domain::backend::{Presume, RawItem, RawReply, ReplayEntry, ReplayKind};
 use crate::domain::Batch;
 use crate::limit::{Algorithm, Role};
 
@@ -62,24 +62,47 @@ pub struct DecideCall<'a> {
     pub call_id: &'a str,
     /// (count, window) this replica expects per charge; -1 unknown.
     pub expected: &'a [(i64, u64)],
+    /// Whose unseen lease grants to count as used.
+    pub presume: &'a Presume,
+    /// This incarnation's boot id: with the episode number, a token unique
+    /// per failure episode across restarts.
+    pub boot: &'a str,
+}
+
+fn index_list(indices: &[u64]) -> String {
+    indices
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// decide.lua: KEYS[i] the base key of charge i; ARGV 1-5: index, epoch,
-/// never_deny, margin, call id; then 8 per charge: algorithm, limit,
-/// unit_ms, burst, hits (clamped to [`MAX_HITS`]), flags (bit 0 refund,
-/// bits 1-2 role), expected count, expected window.
+/// never_deny, margin, call id; 6-8: failure-episode token ("" none),
+/// presumed peers and silent members (comma-separated indices); then 11 per
+/// charge: algorithm, limit, unit_ms, burst, hits (clamped to
+/// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role), expected count,
+/// expected window, presumed fraction per member, may-prove flag, own
+/// local count not replayed yet.
 pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<String>) {
     let keys = batch
         .charges
         .iter()
         .map(|c| keys::counter_base(prefix, &c.key))
         .collect();
-    let mut args = Vec::with_capacity(5 + 8 * batch.charges.len());
+    let mut args = Vec::with_capacity(8 + 11 * batch.charges.len());
     args.push(call.index.to_string());
     args.push(call.epoch.to_string());
     args.push(if batch.never_deny { "1" } else { "0" }.to_string());
     args.push(call.margin_ms.to_string());
     args.push(call.call_id.to_string());
+    let p = call.presume;
+    args.push(match p.episode {
+        Some(n) if !p.peers.is_empty() => format!("{}.{n}", call.boot),
+        _ => String::new(),
+    });
+    args.push(index_list(&p.peers));
+    args.push(index_list(&p.silent));
     for (i, c) in batch.charges.iter().enumerate() {
         args.push(algorithm_code(c.spec.algorithm).to_string());
         args.push(c.spec.requests_per_unit.to_string());
@@ -90,6 +113,14 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<Strin
         let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
         args.push(count.to_string());
         args.push(window.to_string());
+        let pc = p.charges.get(i).copied().unwrap_or_default();
+        args.push(if pc.fraction > 0.0 {
+            format!("{:.6}", pc.fraction)
+        } else {
+            "0".to_string()
+        });
+        args.push(if pc.prove { "1" } else { "0" }.to_string());
+        args.push(pc.pending.to_string());
     }
     (keys, args)
 }
@@ -175,16 +206,25 @@ pub fn replay_args(
 }
 
 /// members.lua: KEYS are [`keys::membership`]; ARGV: id, nonce, TTL ms,
-/// "beat" or "leave", the index used before (0 none). Reply:
-/// `{1, index, now_ms, incarnation, live ids…}`, or `{0, other nonce}` when
-/// another live incarnation owns the id.
-pub fn members_args(id: &str, nonce: &str, ttl_ms: u128, action: &str, index: u64) -> Vec<String> {
+/// "beat" or "leave", the index used before (0 none), hold-back horizon
+/// ms. Reply: `{1, index, now_ms, incarnation, {live ids}, {their
+/// indices}, {silent indices}}`, or `{0, other nonce}` when another live
+/// incarnation owns the id.
+pub fn members_args(
+    id: &str,
+    nonce: &str,
+    ttl_ms: u128,
+    action: &str,
+    index: u64,
+    holdback_ms: u128,
+) -> Vec<String> {
     vec![
         id.to_owned(),
         nonce.to_owned(),
         ttl_ms.to_string(),
         action.to_owned(),
         index.to_string(),
+        holdback_ms.to_string(),
     ]
 }
 

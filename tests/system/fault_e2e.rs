@@ -42,6 +42,13 @@ const RULES: &str = "domain: f\ndescriptors:\n  - key: fw\n    rate_limit: {unit
 /// cases are the busy-Redis test in `redis_e2e` and the SIGTERM, restart and
 /// fenced-replay tests here.
 async fn cluster(dir: &Path, via_proxy: bool) -> Cluster {
+    cluster_with(dir, via_proxy, false).await
+}
+
+/// Four replicas: with the fast-fault settings of [`cluster`], or with the
+/// DEFAULT settings (`defaults`), where only the expiry margin is raised so
+/// that the test can still read every window's count after the run.
+async fn cluster_with(dir: &Path, via_proxy: bool, defaults: bool) -> Cluster {
     let redis = RedisServer::start("redis", dir);
     let rules = dir.join("rules");
     std::fs::create_dir_all(&rules).expect("mkdir");
@@ -60,17 +67,18 @@ async fn cluster(dir: &Path, via_proxy: bool) -> Cluster {
         };
         let id = format!("r{i}");
         let deadline = DEADLINE_MS.to_string();
-        let env = [
+        let fast = [
             ("LEASEHOLD_REDIS_URL", url.as_str()),
-            ("LEASEHOLD_REDIS_DEADLINE_MS", deadline.as_str()),
             ("LEASEHOLD_REDIS_EXPIRY_MARGIN_MS", "60000"),
+            ("LEASEHOLD_REDIS_DEADLINE_MS", deadline.as_str()),
             ("LEASEHOLD_MEMBERSHIP_HEARTBEAT_MS", "200"),
             ("LEASEHOLD_MEMBERSHIP_TTL_MS", "1500"),
             ("LEASEHOLD_BREAKER_PROBE_INTERVAL_MS", "200"),
             ("LEASEHOLD_BREAKER_PROBE_JITTER_MS", "50"),
         ];
+        let env = if defaults { &fast[..2] } else { &fast[..] };
         let rep = tokio::task::block_in_place(|| {
-            Leasehold::start(&id, &rules, &["--replica-id", &id], &env, dir)
+            Leasehold::start(&id, &rules, &["--replica-id", &id], env, dir)
         });
         clients.push(
             RateLimitServiceClient::connect(rep.grpc_uri())
@@ -476,6 +484,51 @@ async fn replies_dropped_and_ten_flaps_never_count_twice() {
     // it starts come from a remainder decayed by the pace of admission, so
     // the replicas' leases add up to about what really remained.
     assert_within(&per_window, 0.0, 1.05, "flapping");
+    assert_redis_equals_grants(&c, "fw", "fw", &per_window);
+}
+
+/// Ten flaps of refused connections (400 ms refused with every connection
+/// reset, 400 ms passed), DEFAULT settings, the key's limit offered four
+/// times over: every window ≤ 1.05 L, whether or not a replica gets back to
+/// Redis between two flaps; no client error; Redis = grants afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_refused_flaps_with_default_settings_stay_within_the_bound() {
+    let dir = test_dir("flaps-refused");
+    let c = cluster_with(&dir, true, true).await;
+    let load = start_load(
+        &c,
+        "fw",
+        [100, 100, 100, 100],
+        Duration::from_millis(10_000),
+    );
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for _ in 0..10 {
+        for p in &c.proxies {
+            p.set(Mode::Refuse);
+            p.cut();
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        for p in &c.proxies {
+            p.set(Mode::Pass);
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    let samples = collect(load).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    assert_no_errors(&samples);
+    let per_window = admitted(&samples);
+    for end in per_window.keys() {
+        let by: Vec<usize> = (0..4)
+            .map(|r| {
+                samples
+                    .iter()
+                    .filter(|s| s.ok && s.replica == r && s.window_end == *end)
+                    .count()
+            })
+            .collect();
+        eprintln!("window ending {end}: per replica {by:?}");
+    }
+    assert_within(&per_window, 0.0, 1.05, "refused flaps");
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
 

@@ -129,14 +129,18 @@ impl ResilientEngine {
             .iter()
             .map(|c| self.ledger.note_issue(&c.key, &c.spec, now, c.refund))
             .collect();
+        let mut pending = Vec::with_capacity(batch.charges.len());
         let expected: Vec<(i64, u64)> = batch
             .charges
             .iter()
             .map(|c| {
                 let w = window_of(&c.spec, redis_now);
-                (self.ledger.expected(&c.key, w), w)
+                let (count, unreplayed, settled) = self.ledger.expected_and_pending(&c.key, w);
+                pending.push((unreplayed, settled));
+                (count, w)
             })
             .collect();
+        let presume = self.presume(batch, redis_now, &pending);
         let alive = self.redis_alive(now);
         self.note_sent(now);
         let budget = if alive {
@@ -147,7 +151,8 @@ impl ResilientEngine {
         let started = Instant::now();
         let backend = self.backend.clone();
         let owned = batch.clone();
-        let mut call = tokio::spawn(async move { backend.decide(&owned, &expected).await });
+        let mut call =
+            tokio::spawn(async move { backend.decide(&owned, &expected, &presume).await });
         let joined = match tokio::time::timeout(Duration::from_millis(budget), &mut call).await {
             Ok(joined) => joined,
             Err(_) => {
@@ -309,6 +314,7 @@ impl ResilientEngine {
     /// of a failure.
     fn on_call_failed(&self, batch: &Batch, e: &CallError, count_failure: bool) {
         let now = self.clock.now_ms();
+        self.mark_trouble(now);
         if e.maybe_applied() {
             for c in &batch.charges {
                 self.ledger.mark_suspect(&c.key, &c.spec, now);

@@ -12,7 +12,8 @@
 //!   (decided locally until repaired, see [`ledger`]).
 //! - Off Redis, a replica holds there what it may still grant of its leases
 //!   (holds, see `ResilientEngine::update_holds`), so replicas back on Redis do not
-//!   grant it too.
+//!   grant it too; until it can write them, the others presume it holds its
+//!   share ([`presume`]).
 //! - Otherwise (tripped, probing, settling, or a suspect key) it is decided
 //!   locally on leases ([`lease`]): this replica's share of each limit.
 //! - The recovery loop (`recovery`) probes when tripped, replays local
@@ -36,6 +37,7 @@ pub(crate) mod call;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
+mod presume;
 mod recovery;
 mod status;
 #[cfg(test)]
@@ -45,7 +47,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
 
 use super::{Engine, EngineStatus, MemoryEngine};
@@ -127,6 +129,13 @@ pub struct ResilientEngine {
     unanswered_since_ms: AtomicU64,
     /// Calls past their budget, answered or failed since.
     late: Arc<call::LateQueue>,
+    /// When this replica last had trouble with Redis (local ms; 0 never),
+    /// and the failure episode it belongs to (see [`presume`]).
+    last_trouble_ms: AtomicU64,
+    episode: AtomicU64,
+    /// Peers and silent members, from membership (peers frozen while off
+    /// Redis, like `members`).
+    presence: RwLock<presume::Presence>,
 }
 
 /// Where one request is decided.
@@ -161,6 +170,9 @@ impl ResilientEngine {
             redis_call_seconds: OnceLock::new(),
             unanswered_since_ms: AtomicU64::new(0),
             late: Arc::new(call::LateQueue::default()),
+            last_trouble_ms: AtomicU64::new(0),
+            episode: AtomicU64::new(0),
+            presence: RwLock::new(presume::Presence::default()),
         };
         if let Some(journal) = &engine.journal {
             let restored = journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
@@ -239,6 +251,9 @@ impl ResilientEngine {
     fn transition(&self, f: impl FnOnce(&mut Breaker) -> Option<Transition>) {
         let t = f(&mut self.breaker.lock());
         if let Some(t) = t {
+            if t.to != BreakerState::Healthy {
+                self.mark_trouble(self.clock.now_ms());
+            }
             Self::log_transition(&t);
             self.wake.notify_one();
         }
@@ -266,6 +281,7 @@ impl ResilientEngine {
 
     /// Decides on leases, without any network.
     fn decide_local(&self, batch: &Batch, now_ms: u64) -> BatchOutcome {
+        self.mark_trouble(now_ms);
         let redis_now = self.redis_now(now_ms);
         let members = self.members.load(Ordering::Relaxed);
         let leased = Batch {

@@ -158,7 +158,9 @@ impl ResilientEngine {
         let members = self.backend.members();
         if state == BreakerState::Healthy && members.live > 0 {
             self.members.store(members.live, Ordering::Relaxed);
+            self.presence.write().peers = members.peers.clone();
         }
+        self.presence.write().silent = members.silent.clone();
         match r.reregistrations {
             Some(seen) if seen != members.reregistrations => {
                 self.stats

@@ -9,22 +9,29 @@ use crate::limit::LimitSpec;
 use std::sync::atomic::Ordering;
 
 impl Ledger {
-    /// This replica's confirmed Redis-path count for `key` in `window`, or
-    /// -1 when unknown (the script's data-loss check).
     /// This replica's confirmed count for the data-loss check, or -1 (no
     /// check) when unknown or while a refund for the key is in flight.
     pub fn expected(&self, key: &CounterKey, window: u64) -> i64 {
-        self.shard(key)
-            .lock()
-            .get(key)
-            .filter(|e| e.refunds_in_flight == 0)
-            .and_then(|e| {
-                e.windows
-                    .iter()
-                    .find(|w| w.window == window)
-                    .map(|w| w.redis_own)
-            })
-            .unwrap_or(-1)
+        self.expected_and_pending(key, window).0
+    }
+
+    /// [`Self::expected`], and this replica's local count for `key` in
+    /// `window` that Redis does not hold yet (replayed by the next round):
+    /// a decision on Redis counts it, so the replica never grants on Redis
+    /// what it already granted on its lease. Only with none pending (and
+    /// the key not suspect) may it prove itself there (`decide.lua`,
+    /// "presumed holds").
+    pub fn expected_and_pending(&self, key: &CounterKey, window: u64) -> (i64, i64, bool) {
+        let map = self.shard(key).lock();
+        let Some(e) = map.get(key) else {
+            return (-1, 0, true);
+        };
+        let w = e.windows.iter().find(|w| w.window == window);
+        let expected = w
+            .filter(|_| e.refunds_in_flight == 0)
+            .map_or(-1, |w| w.redis_own);
+        let pending = w.map_or(0, |w| w.local_own.saturating_sub(w.local_replayed));
+        (expected, pending, !e.suspect && pending == 0)
     }
 
     /// Suspect keys are decided locally until repaired.

@@ -56,8 +56,11 @@ struct Entry {
     windows: Vec<WindowTally>,
     /// (window, remaining) from the last Redis reply.
     last_remaining: Option<(u64, u64, u64)>,
-    /// This replica's part of the key's traffic, from the last reply.
-    demand: Option<f64>,
+    /// This replica's part of the key's traffic in a complete window, and
+    /// that window (see [`Entry::demand_share`]).
+    demand: Option<(f64, u64)>,
+    /// The window of the latest decision reply for the key.
+    reply_window: u64,
     /// A Redis call may have applied without this replica knowing.
     suspect: bool,
     /// Bumped whenever the key becomes suspect; a repair clears the flag
@@ -78,12 +81,25 @@ struct Entry {
 }
 
 impl Entry {
+    /// The demand share, only when it describes the window just before the
+    /// one this replica last heard about: the replicas' shares add up to 1
+    /// only if they all come from one window. A window in which some
+    /// replica decided off Redis reports no demand (`decide.lua`), so a
+    /// replica that heard from Redis after one has none, rather than an
+    /// older one its peers may no longer share; it leases `1/N`.
+    fn demand_share(&self) -> Option<f64> {
+        self.demand
+            .filter(|(_, w)| w.saturating_add(1) == self.reply_window)
+            .map(|(d, _)| d)
+    }
+
     fn new(spec: LimitSpec, now_ms: u64) -> Self {
         Entry {
             spec,
             windows: Vec::new(),
             last_remaining: None,
             demand: None,
+            reply_window: 0,
             suspect: false,
             version: 0,
             last_issue_ms: 0,
@@ -253,8 +269,12 @@ impl Ledger {
             if e.last_remaining.is_none_or(|(_, _, at)| redis_now_ms >= at) {
                 e.last_remaining = Some((window, item.remaining, redis_now_ms));
             }
-            if item.own >= 0 && item.total > 0 {
-                e.demand = Some((item.own.min(item.total) as f64) / (item.total as f64));
+            if window >= e.reply_window {
+                e.reply_window = window;
+                if item.own >= 0 && item.total > 0 {
+                    let d = (item.own.min(item.total) as f64) / (item.total as f64);
+                    e.demand = Some((d, window.saturating_sub(1)));
+                }
             }
         });
     }

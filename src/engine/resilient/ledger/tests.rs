@@ -163,3 +163,40 @@ fn a_late_reply_does_not_bring_back_an_older_remainder() {
     l.record_redis(&k, &s, 5_100, 1_010, &item(1, 90, 2, 10));
     assert_eq!(l.lease_inputs(&k, &s, 5_200).1, Some(50));
 }
+
+#[test]
+fn demand_is_used_only_from_the_window_before_the_last_reply() {
+    let l = Ledger::new(10);
+    let (k, s) = key("d");
+    // A reply in window 5 about window 4: 30 of 120.
+    l.record_redis(&k, &s, 5_100, 1_000, &item(1, 90, 30, 120));
+    assert_eq!(l.lease_inputs(&k, &s, 5_200).0, Some(0.25));
+    // A reply in window 6 whose previous window had a replica off Redis
+    // (no demand reported): the older share is not mixed with the peers'
+    // newer ones.
+    l.record_redis(&k, &s, 6_100, 1_000, &item(1, 90, -1, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 6_200).0, None);
+    // A late reply from window 5 changes nothing.
+    l.record_redis(&k, &s, 5_900, 1_000, &item(1, 90, 50, 100));
+    assert_eq!(l.lease_inputs(&k, &s, 6_200).0, None);
+    // A complete window again.
+    l.record_redis(&k, &s, 7_100, 1_000, &item(1, 90, 40, 100));
+    assert_eq!(l.lease_inputs(&k, &s, 7_200).0, Some(0.4));
+}
+
+#[test]
+fn own_local_grants_not_replayed_yet_count_on_the_redis_path() {
+    let l = Ledger::new(10);
+    let (k, s) = key("p");
+    assert_eq!(l.expected_and_pending(&k, 5), (-1, 0, true));
+    l.record_local(&k, &s, 5, 1_000, 7);
+    assert_eq!(l.expected_and_pending(&k, 5), (0, 7, false));
+    let plan = l.replay_plan(1_100, 5_100, 15, 10_000).0;
+    l.mark_replayed(&plan);
+    assert_eq!(l.expected_and_pending(&k, 5), (0, 0, true), "replayed");
+    l.mark_suspect(&k, &s, 1_200);
+    assert!(
+        !l.expected_and_pending(&k, 5).2,
+        "a suspect key proves nothing"
+    );
+}

@@ -52,7 +52,7 @@ impl Ledger {
                         .then(|| decayed_remaining(spec, w, r, at, redis_now_ms))
                 }
             });
-            (e.demand, remaining)
+            (e.demand_share(), remaining)
         })
     }
 

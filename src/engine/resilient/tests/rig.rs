@@ -16,7 +16,7 @@ use super::super::journal::Journal;
 use super::super::{Recovery, ResilientConfig, ResilientEngine};
 use crate::clock::{Clock, ManualClock};
 use crate::domain::backend::{
-    Backend, CallError, Members, RawItem, RawReply, ReplayEntry, ReplayKind,
+    Backend, CallError, Members, Presume, RawItem, RawReply, ReplayEntry, ReplayKind,
 };
 use crate::domain::{Batch, Charge, DecisionPath};
 use crate::engine::Engine;
@@ -164,7 +164,12 @@ impl Fake {
 
 #[async_trait]
 impl Backend for Fake {
-    async fn decide(&self, batch: &Batch, _expected: &[(i64, u64)]) -> Result<RawReply, CallError> {
+    async fn decide(
+        &self,
+        batch: &Batch,
+        _expected: &[(i64, u64)],
+        _presume: &Presume,
+    ) -> Result<RawReply, CallError> {
         self.decide_calls.fetch_add(1, Ordering::SeqCst);
         let mode = *self.mode.lock();
         match mode {
@@ -214,6 +219,7 @@ impl Backend for Fake {
         Members {
             live: 1,
             reregistrations: 0,
+            ..Members::default()
         }
     }
 
