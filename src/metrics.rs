@@ -20,7 +20,7 @@ pub const UNKNOWN: &str = "unknown";
 pub const OVERFLOW: &str = "overflow";
 
 const LATENCY_BUCKETS: &[f64] = &[
-    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
 
 pub struct Metrics {

@@ -9,7 +9,8 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # Debian packages: real Redis, nginx and libfaketime for the acceptance tests;
 # docker-compose to check compose.yaml statically (no engine needed), promtool
-# (package prometheus) to check the exposition, chromium for the status page.
+# (package prometheus) to check the exposition, chromium for the status page,
+# iproute2 and iptables for the kernel black hole.
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v nginx >/dev/null || missing+=(nginx)
@@ -17,6 +18,9 @@ command -v faketime >/dev/null || missing+=(faketime)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v chromium >/dev/null || missing+=(chromium)
+# The kernel black hole: a network namespace (iproute2) with iptables DROP rules.
+command -v ip >/dev/null || missing+=(iproute2)
+command -v iptables >/dev/null || missing+=(iptables)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing Debian packages: ${missing[*]}"
   as_root apt-get update -qq

@@ -14,7 +14,7 @@ use std::time::Duration;
 use fred::prelude::*;
 
 pub use crate::domain::backend::CallError;
-use fred::types::config::{Options, ReconnectPolicy, TcpConfig};
+use fred::types::config::{Options, ReconnectPolicy, TcpConfig, UnresponsiveConfig};
 pub use scripts::{decide_sha, replay_sha};
 use scripts::{DECIDE_LUA, MEMBERS_LUA, REPLAY_LUA};
 
@@ -85,9 +85,22 @@ impl Redis {
             ..config
         };
         let mut builder = Builder::from_config(config.clone());
+        let reply_timeout = cfg.reply_timeout.max(cfg.deadline);
         builder.with_connection_config(|c| {
-            c.connection_timeout = Duration::from_secs(2);
+            // A connect that has not completed in a second is abandoned and
+            // tried afresh (below), so after a black hole heals a new SYN
+            // goes out within about a second, not after TCP's backoff.
+            c.connection_timeout = Duration::from_secs(1);
             c.internal_command_timeout = Duration::from_secs(2);
+            // A connection on which a call has waited past the reply timeout
+            // is not trusted again: it is closed and replaced. Packets a
+            // black hole dropped would otherwise be retransmitted only
+            // after TCP's backoff (seconds), and bytes a broken path
+            // swallowed would leave replies out of step with calls.
+            c.unresponsive = UnresponsiveConfig {
+                max_timeout: Some(reply_timeout),
+                interval: (reply_timeout / 4).max(Duration::from_millis(10)),
+            };
             // Never resend a script on reconnect: a resent call could count twice.
             c.max_command_attempts = 1;
             // Pipelined calls are small writes: Nagle's algorithm would hold
@@ -97,7 +110,7 @@ impl Redis {
                 ..Default::default()
             };
         });
-        builder.set_policy(ReconnectPolicy::new_exponential(0, 50, 1_000, 2));
+        builder.set_policy(ReconnectPolicy::new_exponential(0, 50, 250, 2));
         let pool = builder
             .build_pool(cfg.pool_size.max(1))
             .map_err(|e| format!("cannot build Redis pool: {e}"))?;
@@ -106,7 +119,7 @@ impl Redis {
             pool,
             config,
             deadline: cfg.deadline,
-            reply_timeout: cfg.reply_timeout.max(cfg.deadline),
+            reply_timeout,
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),

@@ -5,6 +5,7 @@
 //! redis-server on a free port, and request builders.
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod proxy;
 
 use std::net::SocketAddr;
@@ -148,6 +149,9 @@ pub struct RedisServer {
     pub port: u16,
     pub dir: PathBuf,
     extra: Vec<String>,
+    /// The address it listens on, and the network namespace it runs in.
+    host: String,
+    netns: Option<String>,
 }
 
 impl RedisServer {
@@ -156,26 +160,68 @@ impl RedisServer {
     }
 
     pub fn start_with(name: &str, dir: &Path, extra: &[&str]) -> RedisServer {
-        let port = free_port();
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let proc = Self::spawn(name, dir, port, &extra);
+        Self::launch(name, dir, free_port(), extra, "127.0.0.1".into(), None)
+    }
+
+    /// A redis-server inside the test's network namespace, on its veth
+    /// address (the namespace is fresh, so any port is free there).
+    pub fn start_in(name: &str, dir: &Path, ns: &netns::Netns) -> RedisServer {
+        Self::launch(
+            name,
+            dir,
+            6379,
+            Vec::new(),
+            ns.addr.clone(),
+            Some(ns.name.clone()),
+        )
+    }
+
+    fn launch(
+        name: &str,
+        dir: &Path,
+        port: u16,
+        extra: Vec<String>,
+        host: String,
+        netns: Option<String>,
+    ) -> RedisServer {
+        let proc = Self::spawn(name, dir, port, &extra, &host, netns.as_deref());
         let server = RedisServer {
             proc,
             port,
             dir: dir.to_path_buf(),
             extra,
+            host,
+            netns,
         };
         server.wait_ready();
         server
     }
 
-    fn spawn(name: &str, dir: &Path, port: u16, extra: &[String]) -> Proc {
-        let mut cmd = Command::new(require("redis-server"));
+    fn spawn(
+        name: &str,
+        dir: &Path,
+        port: u16,
+        extra: &[String],
+        host: &str,
+        netns: Option<&str>,
+    ) -> Proc {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new(require("ip"));
+                c.args(["netns", "exec", ns]).arg(require("redis-server"));
+                // Reached over the veth pair, not loopback: protected mode
+                // would refuse the host's connections.
+                c.args(["--protected-mode", "no"]);
+                c
+            }
+            None => Command::new(require("redis-server")),
+        };
         cmd.args([
             "--port",
             &port.to_string(),
             "--bind",
-            "127.0.0.1",
+            host,
             "--save",
             "",
             "--appendonly",
@@ -199,13 +245,13 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://{}:{}", self.host, self.port)
     }
 
     /// Runs redis-cli against this server and returns stdout.
     pub fn cli(&self, args: &[&str]) -> String {
         let mut cmd = Command::new(require("redis-cli"));
-        cmd.args(["-p", &self.port.to_string()]);
+        cmd.args(["-h", &self.host, "-p", &self.port.to_string()]);
         if let Some(pos) = self.extra.iter().position(|a| a == "--requirepass") {
             if let Some(pass) = self.extra.get(pos + 1) {
                 cmd.args(["--no-auth-warning", "-a", pass]);
@@ -251,7 +297,14 @@ impl RedisServer {
     /// Starts a new, empty redis-server on the same port.
     pub fn start_again(&mut self) {
         let name = self.proc.name.clone();
-        self.proc = Self::spawn(&format!("{name}-again"), &self.dir, self.port, &self.extra);
+        self.proc = Self::spawn(
+            &format!("{name}-again"),
+            &self.dir,
+            self.port,
+            &self.extra,
+            &self.host,
+            self.netns.as_deref(),
+        );
         self.wait_ready();
     }
 }

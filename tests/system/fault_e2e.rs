@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::common;
+use crate::common::netns::Netns;
 use crate::common::proxy::{FaultProxy, Mode};
 use common::{get, single, test_dir, wait_until, Leasehold, RedisServer};
 use leasehold::proto::rls::rate_limit_response::Code;
@@ -49,7 +50,11 @@ async fn cluster(dir: &Path, via_proxy: bool) -> Cluster {
 /// DEFAULT settings (`defaults`), where only the expiry margin is raised so
 /// that the test can still read every window's count after the run.
 async fn cluster_with(dir: &Path, via_proxy: bool, defaults: bool) -> Cluster {
-    let redis = RedisServer::start("redis", dir);
+    cluster_on(RedisServer::start("redis", dir), dir, via_proxy, defaults).await
+}
+
+/// [`cluster_with`] on a given redis-server.
+async fn cluster_on(redis: RedisServer, dir: &Path, via_proxy: bool, defaults: bool) -> Cluster {
     let rules = dir.join("rules");
     std::fs::create_dir_all(&rules).expect("mkdir");
     std::fs::write(rules.join("f.yaml"), RULES).expect("write rules");
@@ -264,6 +269,38 @@ fn assert_no_errors(samples: &[Sample]) {
     );
 }
 
+/// No decision took longer than the budget's upper bound plus 100 ms
+/// (15 + 100 ms with the defaults), by each server's own decision-latency
+/// histogram: every observation is in its 0.1 s bucket.
+fn assert_server_latency_bounded(c: &Cluster) {
+    for rep in &c.replicas {
+        let body = get(rep.http, "/metrics").expect("metrics").body;
+        let sum = |prefix: &str| -> u64 {
+            body.lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        let all = sum("leasehold_decision_duration_seconds_count");
+        let fast: u64 = body
+            .lines()
+            .filter(|l| {
+                l.starts_with("leasehold_decision_duration_seconds_bucket")
+                    && l.contains("le=\"0.1\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64;
+        assert!(all > 0, "no decisions recorded");
+        assert_eq!(
+            fast,
+            all,
+            "{} of {all} decisions took longer than 100 ms on {}",
+            all - fast,
+            rep.http
+        );
+    }
+}
+
 fn assert_within(per_window: &BTreeMap<u64, u64>, lo: f64, hi: f64, what: &str) {
     for (end, ok) in per_window {
         let ok = *ok as f64;
@@ -440,6 +477,121 @@ async fn one_partitioned_replica_costs_at_most_its_share() {
         );
         assert!(connected + cut_off <= L + L * 3 / 10);
     }
+    assert_redis_equals_grants(&c, "fw", "fw", &per_window);
+}
+
+/// One replica cut off from Redis (black-holed) for 15 s, the others
+/// healthy, DEFAULT settings, the limit offered four times over. Nobody can
+/// know it went silent before its heartbeats have been missing for the
+/// membership TTL (5 s, plus a heartbeat of 1 s to notice): until then the
+/// fleet may admit L plus its share. From then on the healthy replicas hold
+/// back its share and the fleet stays within [0.90 L, 1.05 L]. Back on the
+/// Redis path within 3 s of the heal; Redis = grants after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_replica_is_held_back_once_it_is_known_silent() {
+    let dir = test_dir("partition-defaults");
+    let c = cluster_with(&dir, true, true).await;
+    let load = start_load(
+        &c,
+        "fw",
+        [100, 100, 100, 100],
+        Duration::from_millis(19_000),
+    );
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let cut_at = now_ms();
+    c.proxies[0].set(Mode::Blackhole);
+    tokio::time::sleep(Duration::from_millis(15_000)).await;
+    let back_at = now_ms();
+    c.proxies[0].set(Mode::Pass);
+    c.proxies[0].cut();
+    let healed = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(10), || {
+            status(c.replicas[0].http).is_some_and(|v| v["engine"]["breaker"]["state"] == "healthy")
+        })
+    });
+    let recovery_ms = now_ms() - back_at;
+    let samples = collect(load).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    assert_no_errors(&samples);
+    assert!(healed, "the cut-off replica did not get back to Redis");
+    eprintln!("back on the Redis path {recovery_ms} ms after the heal");
+    assert!(recovery_ms <= 3_000, "back on Redis after {recovery_ms} ms");
+    let per_window = admitted(&samples);
+    for (end, n) in &per_window {
+        let cut_off = samples
+            .iter()
+            .filter(|s| s.ok && s.replica == 0 && s.window_end == *end)
+            .count();
+        eprintln!("window ending {end}: {n} admitted, {cut_off} by the cut-off replica");
+    }
+    // Until the silence is known: L plus the cut-off replica's share.
+    assert_within(&per_window, 0.0, 1.3, "any window");
+    let known = cut_at + 5_000 + 1_000 + 1_000;
+    let held_back = in_range(
+        &per_window,
+        (known / 1000 + 1) * 1000,
+        (back_at / 1000) * 1000,
+    );
+    assert!(held_back.len() >= 6, "{held_back:?}");
+    assert_within(&held_back, 0.90, 1.05, "silent member held back");
+    // The heal and after: the upper bound again.
+    let after = in_range(&per_window, (back_at / 1000) * 1000, u64::MAX);
+    assert_within(&after, 0.0, 1.05, "after the heal");
+    assert_server_latency_bounded(&c);
+    assert_redis_equals_grants(&c, "fw", "fw", &per_window);
+}
+
+/// Every packet to and from Redis dropped by the kernel for 8 s (iptables
+/// DROP in the test's own network namespace, where Redis runs; connections
+/// stay open and TCP keeps retransmitting), then accepted again. DEFAULT
+/// settings, the limit offered four times over: every window ≤ 1.05 L,
+/// windows wholly inside the black hole ≥ 0.95 L, every replica back on the
+/// Redis path within 3 s of the heal, Redis = grants after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_black_hole_heals_within_three_seconds() {
+    let dir = test_dir("kernel-blackhole");
+    let ns = Netns::create("bh");
+    let c = cluster_on(RedisServer::start_in("redis", &dir, &ns), &dir, false, true).await;
+    let load = start_load(
+        &c,
+        "fw",
+        [100, 100, 100, 100],
+        Duration::from_millis(14_000),
+    );
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let cut_at = now_ms();
+    ns.blackhole(c.redis.port);
+    tokio::time::sleep(Duration::from_millis(8_000)).await;
+    let back_at = now_ms();
+    ns.heal();
+    let mut recovery = Vec::new();
+    for rep in &c.replicas {
+        let addr = rep.http;
+        let ok = tokio::task::block_in_place(|| {
+            wait_until(Duration::from_secs(10), || {
+                status(addr).is_some_and(|v| v["engine"]["breaker"]["state"] == "healthy")
+            })
+        });
+        recovery.push(ok.then(|| now_ms() - back_at));
+    }
+    let samples = collect(load).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    eprintln!("back on the Redis path after the heal, ms: {recovery:?}");
+    assert_no_errors(&samples);
+    assert!(
+        recovery.iter().all(|r| r.is_some_and(|ms| ms <= 3_000)),
+        "every replica back on Redis within 3 s of the heal: {recovery:?}"
+    );
+    let per_window = admitted(&samples);
+    let inside = in_range(
+        &per_window,
+        (cut_at / 1000 + 2) * 1000,
+        (back_at / 1000) * 1000,
+    );
+    assert!(inside.len() >= 5, "{inside:?}");
+    assert_within(&inside, 0.95, 1.05, "black hole");
+    assert_within(&per_window, 0.0, 1.05, "any window");
+    assert_server_latency_bounded(&c);
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
 
