@@ -7,8 +7,11 @@
 //!   `N` the live members (frozen when Redis went away; a configured hint
 //!   before first contact) and `f` the floor (`lease_min_share`), so a
 //!   replica that suddenly gets traffic is not starved. Summed over replicas
-//!   whose `d` add up to 1, the shares add up to exactly 1. Without demand
-//!   data the share is `1/N`.
+//!   whose `d` add up to 1, the shares add up to exactly 1. Their `d` add
+//!   up to 1 only when they come from one window that every replica decided
+//!   on Redis: the ledger uses a demand only from the window just before its
+//!   latest reply, and the script reports none for a window in which some
+//!   replica decided off Redis. Without demand data the share is `1/N`.
 //!
 //! Local decisions run the same algorithm as Redis on the lease, on the
 //! replica's estimate of Redis time (its last measured offset), so windows
