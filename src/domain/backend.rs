@@ -181,6 +181,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Membership as of the last heartbeat.
     fn members(&self) -> Members;
 
+    /// Told on every breaker transition whether this replica now decides
+    /// on Redis, so its heartbeats can say so to the others.
+    fn deciding_on_redis(&self, _on: bool) {}
+
     /// Facts for /status (`"redis"` section).
     fn status(&self) -> serde_json::Value;
 }

@@ -257,11 +257,19 @@ impl Backend for RedisEngine {
     }
 
     async fn probe(&self) -> Result<bool, CallError> {
+        // Off Redis anyway: a connection slower than this to answer a PING
+        // costs nothing to replace.
+        let ping_within = self.redis.deadline().max(Duration::from_millis(250));
+        self.redis.check_connections(ping_within).await?;
         match self.membership.beat().await {
             Ok(()) => Ok(self.membership.index().is_some()),
             Err(MembershipError::Call(e)) => Err(e),
             Err(e @ MembershipError::Conflict(_)) => Err(CallError::Redis(e.to_string())),
         }
+    }
+
+    fn deciding_on_redis(&self, on: bool) {
+        self.membership.set_on_redis(on);
     }
 
     fn members(&self) -> Members {

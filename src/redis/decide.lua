@@ -13,6 +13,8 @@
 --          failure recently), see "presumed holds" below
 -- ARGV[7]  presumed peers: comma-separated field indices ("" none)
 -- ARGV[8]  silent members: comma-separated field indices ("" none)
+-- ARGV[#ARGV] (last) the call's token, returned as the reply's last item so
+--          the caller can tell its reply from another call's
 -- ARGV[9 + 11*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
 --          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota),
@@ -54,8 +56,9 @@
 -- last, so each episode is announced once), and "g<idx>" = "x" says replica
 -- idx decided this key on Redis after it, with nothing unreplayed. Any
 -- replica's call proves itself when "x" is set and it may. Silent members
--- (heartbeats stopped) are presumed in every window, proved or not. A
--- presumed member's own "h" counts towards its presumption, not on top.
+-- (not deciding on Redis for longer than the membership TTL) are presumed
+-- in every window, proved or not. A presumed member's own "h" counts
+-- towards its presumption, not on top.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = ARGV[1]
@@ -64,6 +67,7 @@ local fence_field = 'f' .. me
 local never_deny = ARGV[3] == '1'
 local margin = tonumber(ARGV[4])
 local call_id = ARGV[5]
+local token = tonumber(ARGV[#ARGV])
 local episode = ARGV[6]
 local n = #KEYS
 
@@ -144,13 +148,20 @@ local function presumed(key, cur, fraction, limit, prove, expire_at)
   if fraction <= 0 then return 0 end
   local share = math.floor(fraction * limit)
   local extra = 0
+  -- A presumed member's unspent lease "h" counts towards its presumption,
+  -- not on top. Its replayed local grants "o" do count on top: they may
+  -- come from a lease larger than the share presumed, so leaving them out
+  -- would undercount.
+  local function unseen(j)
+    return math.max(0, share - (cur.holds[j] or 0))
+  end
   for _, j in ipairs(silent) do
-    extra = extra + math.max(0, share - (cur.holds[j] or 0))
+    extra = extra + unseen(j)
   end
   if announce ~= '' then
     for _, j in ipairs(peers) do
       if not is_silent[j] and (cur.x == nil or cur.proofs[j] ~= cur.x) then
-        extra = extra + math.max(0, share - (cur.holds[j] or 0))
+        extra = extra + unseen(j)
       end
     end
   end
@@ -334,7 +345,7 @@ for i = 1, n do
 end
 
 if stale then
-  return {-1, now, 0, 0}
+  return {-1, now, 0, 0, token}
 end
 
 -- Announcements and proofs are facts about who decides where, written
@@ -409,4 +420,5 @@ for i = 1, n do
   reply[#reply + 1] = r.total
   reply[#reply + 1] = denied and 0 or r.delta
 end
+reply[#reply + 1] = token
 return reply

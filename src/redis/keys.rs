@@ -63,7 +63,7 @@ pub fn window_total<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) ->
 
 /// Membership keys: (owner of `id`, members, index, next index, index
 /// owners, incarnation).
-pub fn membership(prefix: &str, id: &str) -> [String; 6] {
+pub fn membership(prefix: &str, id: &str) -> [String; 7] {
     let escaped = crate::key::escape_id(id);
     [
         format!("{prefix}{{leasehold}}:owner:{escaped}"),
@@ -72,6 +72,7 @@ pub fn membership(prefix: &str, id: &str) -> [String; 6] {
         format!("{prefix}{{leasehold}}:next-index"),
         format!("{prefix}{{leasehold}}:index-owner"),
         format!("{prefix}{{leasehold}}:incarnation"),
+        format!("{prefix}{{leasehold}}:on-redis"),
     ]
 }
 

@@ -9,13 +9,22 @@
 -- KEYS[5]  index owners: hash, index -> id (so an index is never given twice)
 -- KEYS[6]  incarnation: a token created once per Redis dataset; when it
 --          changes, Redis lost its data (restarted empty or failed over)
+-- KEYS[7]  on Redis: sorted set, id -> last beat made while deciding on Redis
 -- ARGV[1]  replica id, ARGV[2] incarnation nonce, ARGV[3] TTL in ms,
--- ARGV[4]  "beat" (register or refresh) or "leave",
+-- ARGV[4]  "beat" (register or refresh, deciding on Redis), "away" (the
+--          same while deciding off Redis, on leases) or "leave",
 -- ARGV[5]  the index this replica used before (0: none): after Redis lost
 --          its data, a replica gets its old index back when it is free, so
 --          its counter fields keep their meaning
 -- ARGV[6]  hold-back horizon in ms: members silent longer than the TTL but
---          not longer than this are reported as silent
+--          not longer than this are reported as silent. Silent means not
+--          deciding on Redis: no "beat" within the TTL, whether the member
+--          stopped beating (cut off, crashed) or beats "away" (back in
+--          touch but still on its lease, its grants not all replayed). A
+--          member is silent until its first "beat" after it is back on
+--          Redis, so the others never stop holding back its share while
+--          it may still grant on its lease unseen.
+-- ARGV[7]  the call's token, returned as the reply's last item
 --
 -- Reply: {1, index, now_ms, incarnation, {live ids}, {their indices},
 -- {silent members' indices}} on success; {0, other nonce} when
@@ -25,19 +34,25 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, nonce, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local holdback = tonumber(ARGV[6]) or 0
+local token = tonumber(ARGV[7])
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= nonce then
-  return {0, owner}
+  return {0, owner, token}
 end
 if ARGV[4] == 'leave' then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], id)
-  return {1, 0, now}
+  redis.call('ZREM', KEYS[7], id)
+  return {1, 0, now, token}
 end
 redis.call('SET', KEYS[1], nonce, 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, id)
+if ARGV[4] == 'beat' then
+  redis.call('ZADD', KEYS[7], now, id)
+end
 -- Forget members silent for a day; their index stays reserved.
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 86400000)
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - 86400000)
 redis.call('SET', KEYS[6], nonce .. '@' .. now, 'NX')
 local incarnation = redis.call('GET', KEYS[6])
 local idx = redis.call('HGET', KEYS[3], id)
@@ -56,7 +71,7 @@ if not idx then
   redis.call('HSET', KEYS[3], id, idx)
 end
 -- The registry outlives its members by a day, then disappears.
-for k = 2, 6 do
+for k = 2, 7 do
   redis.call('PEXPIRE', KEYS[k], 86400000)
 end
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - ttl, '+inf')
@@ -68,9 +83,9 @@ local function indices(ids)
   end
   return out
 end
--- Silent: heartbeats stopped, but within the hold-back horizon.
+-- Silent: not on Redis for longer than the TTL, within the hold-back horizon.
 local silent = {}
 if holdback > ttl then
-  silent = redis.call('ZRANGEBYSCORE', KEYS[2], now - holdback, '(' .. (now - ttl))
+  silent = redis.call('ZRANGEBYSCORE', KEYS[7], now - holdback, '(' .. (now - ttl))
 end
-return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent)}
+return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent), token}

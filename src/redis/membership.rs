@@ -4,6 +4,7 @@
 //! live process with the same id is refused, because two writers of one
 //! counter field would corrupt replay.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,12 +48,16 @@ pub enum MembershipError {
 
 pub struct Membership {
     redis: Arc<Redis>,
-    keys: [String; 6],
+    keys: [String; 7],
     id: String,
     nonce: String,
     ttl: Duration,
     every: Duration,
     holdback: Duration,
+    /// Whether this replica decides on Redis (its breaker is healthy): a
+    /// beat made while it does not keeps it live but not "on Redis", so the
+    /// others keep holding back its share (see members.lua).
+    on_redis: AtomicBool,
     state: RwLock<MemberState>,
 }
 
@@ -74,8 +79,14 @@ impl Membership {
             ttl,
             every,
             holdback,
+            on_redis: AtomicBool::new(true),
             state: RwLock::new(MemberState::default()),
         }
+    }
+
+    /// Says whether this replica decides on Redis; later beats report it.
+    pub fn set_on_redis(&self, on: bool) {
+        self.on_redis.store(on, Ordering::Relaxed);
     }
 
     pub fn id(&self) -> &str {
@@ -108,7 +119,12 @@ impl Membership {
 
     /// One heartbeat: registers or refreshes, and updates the live list.
     pub async fn beat(&self) -> Result<(), MembershipError> {
-        let reply = match self.call("beat").await {
+        let action = if self.on_redis.load(Ordering::Relaxed) {
+            "beat"
+        } else {
+            "away"
+        };
+        let reply = match self.call(action).await {
             Ok(r) => r,
             Err(e) => {
                 self.state.write().last_error = Some(e.to_string());

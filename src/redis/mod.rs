@@ -2,13 +2,24 @@
 //! once, called by SHA, reloaded transparently after NOSCRIPT), per-call
 //! deadlines and membership heartbeats. Callers get domain values and a
 //! [`CallError`] that says whether the call may have been applied.
+//!
+//! Every call carries a token of its own (the last ARGV of a script, the
+//! message of a PING) that its reply must end with. fred pairs replies with
+//! calls by order on a connection, so a path that swallowed a call but
+//! kept the connection open would otherwise hand each later reply to the
+//! call before it. A reply without its call's token takes the connection
+//! out of service: it is closed and replaced, and the call counts as
+//! possibly applied. A connection on which a call has gone the reply
+//! timeout without any reply is replaced too (fred's unresponsive check),
+//! and a recovering replica PINGs every connection before it decides on
+//! Redis again ([`Redis::check_connections`]).
 
 pub mod inspect;
 pub mod keys;
 pub mod membership;
 pub mod scripts;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -55,6 +66,8 @@ pub struct Redis {
     decide: Script,
     members: Script,
     replay: Script,
+    /// The next call's token (see the module docs).
+    tokens: AtomicU64,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
 }
@@ -91,7 +104,10 @@ impl Redis {
             // tried afresh (below), so after a black hole heals a new SYN
             // goes out within about a second, not after TCP's backoff.
             c.connection_timeout = Duration::from_secs(1);
-            c.internal_command_timeout = Duration::from_secs(2);
+            // The same for the handshake on a new connection (HELLO or
+            // PING, SELECT, CLIENT ID, INFO): a path that swallows it is
+            // given up on as soon as a call's reply would be.
+            c.internal_command_timeout = reply_timeout;
             // A connection on which a call has waited past the reply timeout
             // is not trusted again: it is closed and replaced. Packets a
             // black hole dropped would otherwise be retransmitted only
@@ -123,6 +139,7 @@ impl Redis {
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),
+            tokens: AtomicU64::new(1),
             display_url: redact_url(&cfg.url),
         })
     }
@@ -134,20 +151,73 @@ impl Redis {
     /// PING with a timeout; the error text says what went wrong (refused,
     /// authentication, not a Redis server, timeout).
     pub async fn ping(&self, timeout: Duration) -> Result<(), String> {
-        let client = self.pool.next().with_options(&Options {
+        let carrier = self.pool.next();
+        let client = carrier.with_options(&Options {
             timeout: Some(timeout),
             max_attempts: Some(1),
             ..Default::default()
         });
-        let result = match tokio::time::timeout(timeout, client.ping::<String>(None)).await {
-            Ok(Ok(_)) => return Ok(()),
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed).to_string();
+        let pong = client.ping::<Value>(Some(token.clone()));
+        let result = match tokio::time::timeout(timeout, pong).await {
+            Ok(Ok(v)) if echoes(&v, &token) => return Ok(()),
+            Ok(Ok(other)) => {
+                replace(carrier);
+                format!("reply {other:?} is not this PING's (connection replaced)")
+            }
             Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {timeout:?}"),
+            Err(_) => {
+                replace(carrier);
+                format!("no answer within {timeout:?}")
+            }
         };
         Err(match self.diagnose(timeout).await {
             Some(cause) => format!("{result}; a direct connection attempt says: {cause}"),
             None => result,
         })
+    }
+
+    /// PINGs every connected connection of the pool at once, each with its
+    /// own token; one that does not answer within `timeout`, or answers out
+    /// of step, is replaced (see the module docs) before this returns, so a
+    /// recovering replica does not go back to Redis with a connection that
+    /// sat idle through a fault and stalled. A connection being (re)made is
+    /// skipped: its handshake proves it. Ok when at least one answered.
+    pub async fn check_connections(&self, timeout: Duration) -> Result<(), CallError> {
+        let pings = self.pool.clients().iter().map(|carrier| async move {
+            if !carrier.is_connected() {
+                return Err(CallError::NotConnected(format!(
+                    "{} ({:?})",
+                    self.display_url,
+                    carrier.state()
+                )));
+            }
+            let token = self.tokens.fetch_add(1, Ordering::Relaxed).to_string();
+            let client = carrier.with_options(&Options {
+                max_attempts: Some(1),
+                fail_fast: true,
+                ..Default::default()
+            });
+            let pong = client.ping::<Value>(Some(token.clone()));
+            let error = match tokio::time::timeout(timeout, pong).await {
+                Ok(Ok(v)) if echoes(&v, &token) => return Ok(()),
+                Ok(Ok(other)) => CallError::Reply(format!(
+                    "{other:?} is not this PING's reply (connection replaced)"
+                )),
+                Ok(Err(e)) => CallError::Redis(e.to_string()),
+                Err(_) => CallError::Timeout(timeout),
+            };
+            let _ = tokio::time::timeout(timeout, carrier.force_reconnection()).await;
+            Err(error)
+        });
+        let results = futures::future::join_all(pings).await;
+        if results.iter().any(Result::is_ok) {
+            return Ok(());
+        }
+        Err(results
+            .into_iter()
+            .find_map(Result::err)
+            .unwrap_or_else(|| CallError::NotConnected(self.display_url.clone())))
     }
 
     /// One connection attempt without retries, to surface why the pool
@@ -192,6 +262,8 @@ impl Redis {
     ) -> Result<Value, CallError> {
         // Set once a call was written to a connection: from then on, a
         // timeout may hide an execution, whatever state the pool is in now.
+        // (That connection is replaced by fred's unresponsive check once
+        // it has gone the reply timeout without a reply.)
         let sent = AtomicBool::new(false);
         let started = std::time::Instant::now();
         // Half the budget: a call that cannot leave is reported as such
@@ -247,7 +319,8 @@ impl Redis {
         affinity: Option<u64>,
         sent: &AtomicBool,
     ) -> Result<Value, CallError> {
-        let client = self.client(affinity);
+        let carrier = self.client(affinity);
+        let client = carrier;
         if !client.is_connected() {
             return Err(CallError::NotConnected(format!(
                 "{} ({:?})",
@@ -261,6 +334,9 @@ impl Redis {
             ..Default::default()
         });
         sent.store(true, Ordering::SeqCst);
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        let mut args = args;
+        args.push(token.to_string());
         let result = match client
             .evalsha::<Value, _, _, _>(&script.sha, keys.clone(), args.clone())
             .await
@@ -279,7 +355,15 @@ impl Redis {
             other => other,
         };
         match result {
-            Ok(v) => Ok(v),
+            Ok(v) => match strip_token(v, token) {
+                Ok(v) => Ok(v),
+                Err(other) => {
+                    replace(carrier);
+                    Err(CallError::Reply(format!(
+                        "{other:?} is not this call's reply (connection replaced)"
+                    )))
+                }
+            },
             // Written to the socket or not, an I/O failure may have reached Redis.
             Err(e)
                 if matches!(
@@ -341,6 +425,35 @@ impl Redis {
     }
 }
 
+/// The reply without its last item when that item is `token`; otherwise
+/// the reply as it came.
+fn strip_token(value: Value, token: u64) -> Result<Value, Value> {
+    match value {
+        Value::Array(mut items) if items.last() == Some(&Value::Integer(token as i64)) => {
+            items.pop();
+            Ok(Value::Array(items))
+        }
+        other => Err(other),
+    }
+}
+
+/// Whether a PING's reply is its own message.
+fn echoes(reply: &Value, token: &str) -> bool {
+    reply.as_str().is_some_and(|s| s == token)
+}
+
+/// Takes a connection out of service: closed and replaced in the
+/// background, its calls in flight failed (and counted as possibly applied
+/// by their callers).
+fn replace(client: &Client) {
+    let client = client.clone();
+    tokio::spawn(async move {
+        if let Err(e) = client.force_reconnection().await {
+            tracing::debug!(error = %e, "replacing a Redis connection");
+        }
+    });
+}
+
 fn integers(value: Value) -> Result<Vec<i64>, CallError> {
     match value {
         Value::Array(items) => items
@@ -367,5 +480,17 @@ mod tests {
         );
         assert_eq!(redact_url("rediss://secret@h:6379"), "rediss://***@h:6379");
         assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+    }
+
+    #[test]
+    fn a_reply_is_accepted_only_with_its_own_token() {
+        let reply = |items: Vec<i64>| Value::Array(items.into_iter().map(Value::Integer).collect());
+        assert_eq!(strip_token(reply(vec![1, 2, 7]), 7), Ok(reply(vec![1, 2])));
+        assert_eq!(
+            strip_token(reply(vec![1, 2, 6]), 7),
+            Err(reply(vec![1, 2, 6]))
+        );
+        assert!(strip_token(Value::String("PONG".into()), 7).is_err());
+        assert!(strip_token(reply(vec![]), 7).is_err());
     }
 }

@@ -34,6 +34,7 @@
 --          value: a restart never lowers what an earlier run granted.
 -- ARGV[1]  this replica's index, ARGV[2] its current epoch, ARGV[3] expiry
 --          margin in ms
+-- ARGV[#ARGV] (last) the call's token, returned as the reply's last item
 -- ARGV[5 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
 --          window, 4 token bucket), unit_ms, window index, value, limit, burst
 --
@@ -47,6 +48,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, epoch, margin = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local boot = ARGV[4]
+local token = tonumber(ARGV[#ARGV])
 local base_field = 'b' .. me
 local boot_field = 'i' .. me
 local fence = 'f' .. me
@@ -119,4 +121,4 @@ for i = 1, #KEYS do
     written = written + 1
   end
 end
-return {written, now, fenced}
+return {written, now, fenced, token}

@@ -83,7 +83,8 @@ fn index_list(indices: &[u64]) -> String {
 /// charge: algorithm, limit, unit_ms, burst, hits (clamped to
 /// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role), expected count,
 /// expected window, presumed fraction per member, may-prove flag, own
-/// local count not replayed yet.
+/// local count not replayed yet. The Redis module appends the call's token
+/// (see its docs) and strips it from the reply.
 pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<String>) {
     let keys = batch
         .charges
@@ -206,7 +207,8 @@ pub fn replay_args(
 }
 
 /// members.lua: KEYS are [`keys::membership`]; ARGV: id, nonce, TTL ms,
-/// "beat" or "leave", the index used before (0 none), hold-back horizon
+/// "beat" (deciding on Redis), "away" (live, deciding off Redis) or
+/// "leave", the index used before (0 none), hold-back horizon
 /// ms. Reply: `{1, index, now_ms, incarnation, {live ids}, {their
 /// indices}, {silent indices}}`, or `{0, other nonce}` when another live
 /// incarnation owns the id.

@@ -36,12 +36,12 @@ struct Cluster {
 const RULES: &str = "domain: f\ndescriptors:\n  - key: fw\n    rate_limit: {unit: second, requests_per_unit: 100}\n  - key: sw\n    rate_limit: {unit: second, requests_per_unit: 100, algorithm: sliding_window}\n  - key: tb\n    rate_limit: {unit: second, requests_per_unit: 100, algorithm: token_bucket}\n  - key: sl\n    rate_limit: {unit: second, requests_per_unit: 100, algorithm: sliding_log}\n";
 
 /// Four replicas with NON-default settings, on purpose: a 50 ms budget,
-/// 200 ms heartbeats, a 1.5 s membership TTL and 200 ± 50 ms probes, so a
-/// fault of a few seconds shows whole one-second windows before, during and
-/// after it. The bounds these tests assert are therefore claimed only for
-/// these settings (docs/guarantees.md says so per row); the default-settings
-/// cases are the busy-Redis test in `redis_e2e` and the SIGTERM, restart and
-/// fenced-replay tests here.
+/// 200 ms heartbeats, a 1.5 s membership TTL and 200 ± 50 ms probes, for
+/// the tests of one mechanism (a partition shorter than the default TTL,
+/// lost replay replies, readiness), where the
+/// fast settings show whole one-second windows before, during and after a
+/// fault of a few seconds. Every bound of docs/guarantees.md G5 is asserted
+/// with the defaults ([`cluster_with`]).
 async fn cluster(dir: &Path, via_proxy: bool) -> Cluster {
     cluster_with(dir, via_proxy, false).await
 }
@@ -131,7 +131,6 @@ struct Sample {
     ok: bool,
     /// Server-reported window end, ms (rounded to the unit).
     window_end: u64,
-    latency_ms: u64,
     error: Option<String>,
 }
 
@@ -139,6 +138,17 @@ struct Sample {
 fn start_load(
     c: &Cluster,
     key: &'static str,
+    rps: [u64; 4],
+    run_for: Duration,
+) -> tokio::task::JoinSet<Vec<Sample>> {
+    start_load_on(c, key, "hot", rps, run_for)
+}
+
+/// [`start_load`] on one value of the key.
+fn start_load_on(
+    c: &Cluster,
+    key: &'static str,
+    value: &'static str,
     rps: [u64; 4],
     run_for: Duration,
 ) -> tokio::task::JoinSet<Vec<Sample>> {
@@ -155,10 +165,8 @@ fn start_load(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             while Instant::now() < stop_at {
                 tick.tick().await;
-                let req = single("f", &[(key, "hot")]);
-                let t = Instant::now();
+                let req = single("f", &[(key, value)]);
                 let res = client.should_rate_limit(req).await;
-                let latency_ms = t.elapsed().as_millis() as u64;
                 let at = now_ms();
                 out.push(match res {
                     Ok(r) => {
@@ -173,7 +181,6 @@ fn start_load(
                             at,
                             ok: r.overall_code == Code::Ok as i32,
                             window_end: ((at + reset + 500) / 1000) * 1000,
-                            latency_ms,
                             error: None,
                         }
                     }
@@ -182,7 +189,6 @@ fn start_load(
                         at,
                         ok: false,
                         window_end: 0,
-                        latency_ms,
                         error: Some(e.to_string()),
                     },
                 });
@@ -257,11 +263,22 @@ fn assert_redis_equals_grants(
     tag: &str,
     per_window: &BTreeMap<u64, u64>,
 ) {
+    assert_value_equals_grants(c, algo_key, "hot", tag, per_window);
+}
+
+/// [`assert_redis_equals_grants`] for one value of the key.
+fn assert_value_equals_grants(
+    c: &Cluster,
+    algo_key: &str,
+    value: &str,
+    tag: &str,
+    per_window: &BTreeMap<u64, u64>,
+) {
     let mut report = Vec::new();
     let mut bad = false;
     for (end, ok) in per_window {
         let index = end / 1000 - 1;
-        let key = format!("lh:{{f}}|{algo_key}=hot#1:{tag}@{index}");
+        let key = format!("lh:{{f}}|{algo_key}={value}#1:{tag}@{index}");
         let total = c.redis.window_total(&key);
         bad |= total != Some(*ok as i64);
         report.push(format!(
@@ -325,6 +342,23 @@ fn assert_within(per_window: &BTreeMap<u64, u64>, lo: f64, hi: f64, what: &str) 
     }
 }
 
+/// Prints the highest, median and lowest admitted/L of `per_window` (for
+/// the README table).
+fn report(what: &str, per_window: &BTreeMap<u64, u64>) {
+    let mut v: Vec<u64> = per_window.values().copied().collect();
+    v.sort_unstable();
+    if let (Some(low), Some(high), Some(median)) = (v.first(), v.last(), v.get(v.len() / 2)) {
+        let l = L as f64;
+        eprintln!(
+            "{what}: worst {:.2} L, median {:.2} L, lowest {:.2} L over {} windows",
+            *high as f64 / l,
+            *median as f64 / l,
+            *low as f64 / l,
+            v.len()
+        );
+    }
+}
+
 fn in_range(per_window: &BTreeMap<u64, u64>, from: u64, to: u64) -> BTreeMap<u64, u64> {
     per_window.range(from..=to).map(|(k, v)| (*k, *v)).collect()
 }
@@ -341,7 +375,7 @@ async fn through_a_redis_kill(
     total_ms: u64,
 ) -> (Cluster, Vec<Sample>, u64, u64) {
     let dir = test_dir(name);
-    let mut c = cluster(&dir, false).await;
+    let mut c = cluster_with(&dir, false, true).await;
     let load = start_load(&c, key, rps, Duration::from_millis(total_ms));
     tokio::time::sleep(Duration::from_millis(before_ms)).await;
     let killed_at = now_ms();
@@ -352,6 +386,7 @@ async fn through_a_redis_kill(
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
     assert_no_errors(&samples);
+    assert_server_latency_bounded(&c);
     (c, samples, killed_at, back_at)
 }
 
@@ -380,6 +415,8 @@ async fn redis_killed_for_several_windows(key: &'static str, tag: &str) {
     .await;
     let per_window = admitted(&samples);
     let outage = outage_windows(&per_window, killed_at, back_at);
+    report(&format!("kill -9, {key}, inside"), &outage);
+    report(&format!("kill -9, {key}, every window"), &per_window);
     assert!(outage.len() >= 3, "several outage windows: {outage:?}");
     assert_within(&outage, 0.95, 1.05, "outage");
     assert_within(&per_window, 0.0, 1.05, "any window");
@@ -409,6 +446,8 @@ async fn redis_killed_skewed_load_keeps_at_least_ninety_percent() {
         through_a_redis_kill("skew-load", "fw", [280, 40, 40, 40], 3_000, 4_000, 9_500).await;
     let per_window = admitted(&samples);
     let outage = outage_windows(&per_window, killed_at, back_at);
+    report("kill -9, skewed, inside", &outage);
+    report("kill -9, skewed, every window", &per_window);
     assert!(outage.len() >= 3, "several outage windows: {outage:?}");
     assert_within(&outage, 0.9, 1.05, "skewed outage");
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
@@ -417,7 +456,7 @@ async fn redis_killed_skewed_load_keeps_at_least_ninety_percent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_hung_by_sigstop_costs_no_errors_and_no_slow_decisions() {
     let dir = test_dir("stop");
-    let c = cluster(&dir, false).await;
+    let c = cluster_with(&dir, false, true).await;
     let load = start_load(&c, "fw", [100, 100, 100, 100], Duration::from_millis(9_500));
     tokio::time::sleep(Duration::from_millis(3_000)).await;
     let stopped_at = now_ms();
@@ -428,17 +467,15 @@ async fn redis_hung_by_sigstop_costs_no_errors_and_no_slow_decisions() {
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
     assert_no_errors(&samples);
-    let slowest = samples.iter().map(|s| s.latency_ms).max().unwrap_or(0);
-    assert!(
-        slowest <= DEADLINE_MS + 100,
-        "slowest decision {slowest} ms, budget {DEADLINE_MS} ms + 100 ms"
-    );
+    assert_server_latency_bounded(&c);
     let per_window = admitted(&samples);
     let outage = in_range(
         &per_window,
         (stopped_at / 1000 + 2) * 1000,
         (back_at / 1000) * 1000,
     );
+    report("SIGSTOP, inside", &outage);
+    report("SIGSTOP, every window", &per_window);
     assert_within(&outage, 0.95, 1.05, "hung Redis");
     assert_within(&per_window, 0.0, 1.05, "any window");
     // Scripts queued while Redis was stopped ran late on CONT: fenced or
@@ -543,6 +580,8 @@ async fn a_partitioned_replica_is_held_back_once_it_is_known_silent() {
         (known / 1000 + 1) * 1000,
         (back_at / 1000) * 1000,
     );
+    report("partition, held back", &held_back);
+    report("partition, every window", &per_window);
     assert!(held_back.len() >= 6, "{held_back:?}");
     assert_within(&held_back, 0.90, 1.05, "silent member held back");
     // The heal and after: the upper bound again.
@@ -594,6 +633,8 @@ async fn a_kernel_black_hole_heals_within_three_seconds() {
         (cut_at / 1000 + 2) * 1000,
         (back_at / 1000) * 1000,
     );
+    report("kernel black hole, inside", &inside);
+    report("kernel black hole, every window", &per_window);
     assert!(inside.len() >= 5, "{inside:?}");
     assert_within(&inside, 0.95, 1.05, "black hole");
     assert_within(&per_window, 0.0, 1.05, "any window");
@@ -601,10 +642,145 @@ async fn a_kernel_black_hole_heals_within_three_seconds() {
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
 
+/// One chunk of requests swallowed on a live connection, which stays open
+/// and keeps passing (a broken path between two TCP stacks can do this):
+/// the swallowed calls never get a reply, so every later reply on that
+/// connection would be paired with the call before it. DEFAULT settings,
+/// five keys at different rates, the trap set once on each replica's
+/// proxy: Redis = grants for every key and window, every window ≤ 1.05 L,
+/// no client error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_swallowed_on_a_live_connection_never_shifts_the_replies() {
+    let dir = test_dir("swallow-one");
+    let c = cluster_with(&dir, true, true).await;
+    let loads = start_values(&c, Duration::from_millis(7_000));
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    for p in &c.proxies {
+        p.swallow_next_request_to("v2");
+    }
+    let samples = collect_values(loads).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    let swallowed: u64 = c.proxies.iter().map(FaultProxy::dropped_replies).sum();
+    assert_eq!(swallowed, 4, "one chunk swallowed per replica");
+    check_values(&c, &samples, None);
+}
+
+/// Five keys on four connections per replica: at least two share one.
+/// Offered at different rates (1.2 to 4 L), they reach the limit at
+/// different times of a window, so a grant's reply paired with another
+/// key's denial (or the reverse) shows as a count that is wrong.
+const VALUES: [&str; 5] = ["v0", "v1", "v2", "v3", "v4"];
+const RATES: [u64; 5] = [30, 40, 60, 80, 100];
+
+/// Load on every value of [`VALUES`] at its rate of [`RATES`], from each
+/// replica.
+fn start_values(c: &Cluster, run_for: Duration) -> Vec<tokio::task::JoinSet<Vec<Sample>>> {
+    VALUES
+        .iter()
+        .zip(RATES)
+        .map(|(v, r)| start_load_on(c, "fw", v, [r; 4], run_for))
+        .collect()
+}
+
+async fn collect_values(loads: Vec<tokio::task::JoinSet<Vec<Sample>>>) -> Vec<Vec<Sample>> {
+    let mut samples = Vec::new();
+    for load in loads {
+        samples.push(collect(load).await);
+    }
+    samples
+}
+
+/// Per value of [`VALUES`]: no client error, every window ≤ 1.05 L, the
+/// windows inside `fault` (start, end) ≥ 0.95 L, Redis = grants.
+fn check_values(c: &Cluster, samples: &[Vec<Sample>], fault: Option<(u64, u64)>) {
+    let per_value: Vec<_> = samples.iter().map(|s| admitted(s)).collect();
+    for ((v, per_window), s) in VALUES.iter().zip(&per_value).zip(samples) {
+        eprintln!("{v}: {:?}", per_window.values().collect::<Vec<_>>());
+        for (end, n) in per_window.iter().filter(|(_, n)| **n > L) {
+            let by: Vec<usize> = (0..4).map(|r| admitted_by(s, r, *end)).collect();
+            let key = format!("lh:{{f}}|fw={v}#1:fw@{}", end / 1000 - 1);
+            let fields = c
+                .redis
+                .cli(&["HGETALL", &key])
+                .lines()
+                .collect::<Vec<_>>()
+                .join(" ");
+            eprintln!("  over: {end}: {n} by {by:?}; {fields}");
+        }
+    }
+    for s in samples {
+        assert_no_errors(s);
+    }
+    for (v, per_window) in VALUES.iter().zip(&per_value) {
+        report(&format!("{v}, every window"), per_window);
+        if let Some((from, to)) = fault {
+            let inside = in_range(per_window, (from / 1000 + 2) * 1000, (to / 1000) * 1000);
+            report(&format!("{v}, inside"), &inside);
+            assert!(inside.len() >= 2, "{inside:?}");
+            assert_within(&inside, 0.95, 1.05, &format!("{v}: inside the fault"));
+        }
+        assert_within(per_window, 0.0, 1.05, &format!("{v}: any window"));
+    }
+    assert_server_latency_bounded(c);
+    for (v, per_window) in VALUES.iter().zip(&per_value) {
+        assert_value_equals_grants(c, "fw", v, "fw", per_window);
+    }
+}
+
+/// Bytes swallowed on live connections, then healed without a reset.
+/// DEFAULT settings, the limit offered four times over. First five short
+/// swallows (300 ms, shorter than the second after which a silent
+/// connection is replaced), healed in place: the calls swallowed never get
+/// a reply, so later replies come back out of step with the calls unless
+/// the client notices. Then a 4 s swallow after which the connections open
+/// so far stay stalled for good and only new ones pass. Every window
+/// ≤ 1.05 L, windows inside the long swallow ≥ 0.95 L, every replica back
+/// on the Redis path within 3 s of the last heal, Redis = grants, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_bytes_healed_without_a_reset_never_pair_a_reply_with_the_wrong_call() {
+    let dir = test_dir("stall");
+    let c = cluster_with(&dir, true, true).await;
+    let loads = start_values(&c, Duration::from_millis(16_000));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for _ in 0..5 {
+        for p in &c.proxies {
+            p.set(Mode::Blackhole);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for p in &c.proxies {
+            p.set(Mode::Pass);
+        }
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    let cut_at = now_ms();
+    for p in &c.proxies {
+        p.set(Mode::Blackhole);
+    }
+    tokio::time::sleep(Duration::from_millis(4_000)).await;
+    let back_at = now_ms();
+    for p in &c.proxies {
+        p.stall_existing();
+        p.set(Mode::Pass);
+    }
+    let recovery: Vec<Option<u64>> = c
+        .replicas
+        .iter()
+        .map(|rep| tokio::task::block_in_place(|| back_on_redis_ms(rep.http, back_at)))
+        .collect();
+    let samples = collect_values(loads).await;
+    tokio::task::block_in_place(|| wait_settled(&c));
+    eprintln!("back on the Redis path after the heal, ms: {recovery:?}");
+    assert!(
+        recovery.iter().all(|r| r.is_some_and(|ms| ms <= 3_000)),
+        "every replica back on Redis within 3 s of the heal: {recovery:?}"
+    );
+    check_values(&c, &samples, Some((cut_at, back_at)));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replies_dropped_and_ten_flaps_never_count_twice() {
     let dir = test_dir("flaps");
-    let c = cluster(&dir, true).await;
+    let c = cluster_with(&dir, true, true).await;
     let load = start_load(
         &c,
         "fw",
@@ -641,6 +817,8 @@ async fn replies_dropped_and_ten_flaps_never_count_twice() {
     // the silence counts as an outage, and the leases of the window where
     // it starts come from a remainder decayed by the pace of admission, so
     // the replicas' leases add up to about what really remained.
+    report("black-hole flaps, every window", &per_window);
+    assert_server_latency_bounded(&c);
     assert_within(&per_window, 0.0, 1.05, "flapping");
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
@@ -679,6 +857,8 @@ async fn ten_refused_flaps_with_default_settings_stay_within_the_bound() {
         let by: Vec<usize> = (0..4).map(|r| admitted_by(&samples, r, *end)).collect();
         eprintln!("window ending {end}: per replica {by:?}");
     }
+    report("refused flaps, every window", &per_window);
+    assert_server_latency_bounded(&c);
     assert_within(&per_window, 0.0, 1.05, "refused flaps");
     assert_redis_equals_grants(&c, "fw", "fw", &per_window);
 }
@@ -1167,4 +1347,56 @@ async fn grants_while_hung(
         granted += 1;
     }
     granted
+}
+
+/// A call that left on one connection and then timed out counts as
+/// possibly applied, whatever state the pool's other connections are in.
+/// Before the fix the timeout path looked at the next connection of the
+/// round robin, and a disconnected one made the call count as never sent:
+/// its late execution was then neither fenced nor repaired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_left_and_timed_out_may_have_applied_whatever_the_pool_does() {
+    use leasehold::redis::{keys, scripts, Redis, RedisConfig};
+    let dir = test_dir("sent-timeout");
+    let redis = RedisServer::start("redis", &dir);
+    let proxy = FaultProxy::start(redis.port).await;
+    let pool = Redis::connect(&RedisConfig {
+        url: proxy.url(),
+        pool_size: 8,
+        deadline: Duration::from_millis(50),
+        reply_timeout: Duration::from_secs(2),
+    })
+    .expect("pool");
+    let all_up = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || proxy.accepted() == 8)
+    });
+    assert!(all_up, "eight connections, {} accepted", proxy.accepted());
+    // One call first, so Redis has the script (a NOSCRIPT answered late
+    // would stop the late call from running at all).
+    let args = scripts::members_args("warm", "nonce", 5_000, "beat", 0, 0);
+    let keys = keys::membership("lh:", "warm").to_vec();
+    pool.members(keys, args, Duration::from_secs(2))
+        .await
+        .expect("first call");
+    // Seven connections gone for good, the eighth slow: a call can only
+    // leave on the eighth, and its reply comes after the caller gave up.
+    proxy.refuse_new(true);
+    proxy.cut_all_but_first();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.set(Mode::Latency(Duration::from_secs(2)));
+    let args = scripts::members_args("m", "nonce", 5_000, "beat", 0, 0);
+    let keys = keys::membership("lh:", "m").to_vec();
+    let outcome = pool.members(keys, args, Duration::from_millis(300)).await;
+    match outcome {
+        Err(e) => assert!(e.maybe_applied(), "a call that left may have run: {e}"),
+        Ok(v) => panic!("no reply can come within 300 ms: {v:?}"),
+    }
+    // It did run, later: Redis knows the member.
+    let ran = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(6), || {
+            redis.cli(&["ZSCORE", "lh:{leasehold}:members", "m"]).trim() != ""
+        })
+    });
+    assert!(ran, "the late call ran: {:?}", redis.keys());
+    drop(pool);
 }

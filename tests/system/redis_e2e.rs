@@ -192,12 +192,10 @@ async fn four_replicas_admit_exactly_the_limit() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clock_skew_changes_nothing() {
-    // libfaketime is preloaded into leasehold itself (not through the
-    // `faketime` wrapper, which forks), so the test stops it by its own pid.
+/// libfaketime's multi-threaded library (Debian package faketime).
+fn libfaketime() -> PathBuf {
     require("faketime");
-    let libfaketime = [
+    [
         "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
         "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
         "/usr/lib/faketime/libfaketimeMT.so.1",
@@ -205,7 +203,63 @@ async fn clock_skew_changes_nothing() {
     .into_iter()
     .map(PathBuf::from)
     .find(|p| p.exists())
-    .expect("libfaketime (Debian package faketime) is required: run tests/run.sh");
+    .expect("libfaketime (Debian package faketime) is required: run tests/run.sh")
+}
+
+/// Starts `leasehold serve` with its clock moved by `offset` (libfaketime
+/// preloaded into leasehold itself, not through the `faketime` wrapper,
+/// which forks, so the test stops it by its own pid; leasehold keeps the
+/// system allocator, which libfaketime works with). Returns the process
+/// and its gRPC and HTTP addresses once /readyz answers.
+async fn start_under_faketime(
+    name: &str,
+    offset: &str,
+    rules: &Path,
+    env: &[(&str, &str)],
+    dir: &Path,
+) -> (common::Proc, String, std::net::SocketAddr) {
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut cmd = Command::new(common::leasehold_bin());
+    cmd.env("LD_PRELOAD", libfaketime())
+        .env("FAKETIME", offset)
+        .env("FAKETIME_DONT_RESET", "1")
+        .args(["serve", "--rules"])
+        .arg(rules)
+        .args([
+            "--grpc-addr",
+            &grpc,
+            "--http-addr",
+            &http,
+            "--replica-id",
+            name,
+            "--log-format",
+            "json",
+        ]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let proc = common::spawn(name, &mut cmd, dir);
+    let http_addr: std::net::SocketAddr = http.parse().expect("addr");
+    let up = tokio::task::spawn_blocking(move || {
+        wait_until(Duration::from_secs(20), || {
+            get(http_addr, "/readyz")
+                .map(|r| r.status == 200)
+                .unwrap_or(false)
+        })
+    })
+    .await
+    .expect("join");
+    assert!(
+        up,
+        "{name} under faketime did not start:\n{}",
+        proc.log_text()
+    );
+    (proc, grpc, http_addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_skew_changes_nothing() {
     let dir = test_dir("skew");
     let redis = RedisServer::start("redis", &dir);
     let url = redis.url();
@@ -218,47 +272,10 @@ async fn clock_skew_changes_nothing() {
         &dir,
     );
 
-    // The skewed replicas run under libfaketime; leasehold keeps the system
-    // allocator, which libfaketime works with.
     let mut skewed = Vec::new();
     for (name, offset) in [("ahead", "+30s"), ("behind", "-30s")] {
-        let grpc = format!("127.0.0.1:{}", free_port());
-        let http = format!("127.0.0.1:{}", free_port());
-        let mut cmd = Command::new(common::leasehold_bin());
-        cmd.env("LD_PRELOAD", &libfaketime)
-            .env("FAKETIME", offset)
-            .env("FAKETIME_DONT_RESET", "1")
-            .args(["serve", "--rules"])
-            .arg(&r)
-            .args([
-                "--grpc-addr",
-                &grpc,
-                "--http-addr",
-                &http,
-                "--replica-id",
-                name,
-                "--log-format",
-                "json",
-            ]);
-        for (k, v) in redis_env(&url, "500") {
-            cmd.env(k, v);
-        }
-        let proc = common::spawn(name, &mut cmd, &dir);
-        let http_addr: std::net::SocketAddr = http.parse().expect("addr");
-        let up = tokio::task::spawn_blocking(move || {
-            wait_until(Duration::from_secs(20), || {
-                get(http_addr, "/readyz")
-                    .map(|r| r.status == 200)
-                    .unwrap_or(false)
-            })
-        })
-        .await
-        .expect("join");
-        assert!(
-            up,
-            "{name} under faketime did not start:\n{}",
-            proc.log_text()
-        );
+        let (proc, grpc, _) =
+            start_under_faketime(name, offset, &r, &redis_env(&url, "500"), &dir).await;
         skewed.push((name, offset, proc, grpc));
     }
     // Prove the fake clocks took effect: their log timestamps are ±30 s off.
@@ -324,6 +341,68 @@ async fn clock_skew_changes_nothing() {
     assert!(
         spread < 500,
         "window ends disagree by {spread} ms: {ends:?}"
+    );
+}
+
+/// A replica restarted with its clock a day behind the clock its previous
+/// run fenced its fields with: its epochs start from Redis's clock too, so
+/// its calls are not fenced out. Every call is decided on Redis and counted
+/// there (before the fix, each was refused by the fence, decided on a lease
+/// and not counted until a replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_back_does_not_fence_a_restarted_replica_out() {
+    let dir = test_dir("clock-back");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: back\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n");
+    wait_for_room(60_000, 20_000).await;
+    let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    // The previous run stopped before this one starts.
+    let previous_run_ms = now_ms();
+    let (_proc, grpc, http) = start_under_faketime("back", "-1d", &r, &env, &dir).await;
+    let index = get(http, "/status")
+        .ok()
+        .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
+        .and_then(|v| v["engine"]["redis"]["membership"]["index"].as_u64())
+        .expect("registered");
+    // The previous run's fence: an epoch from the real clock, as it set
+    // when it last rewrote its field.
+    let window = now_ms() / 60_000;
+    let key = format!("lh:{{back}}|k=v#60:fw@{window}");
+    let fence = (previous_run_ms * 1_000).to_string();
+    redis.cli(&[
+        "HSET",
+        &key,
+        &format!("f{index}"),
+        &fence,
+        &index.to_string(),
+        "0",
+    ]);
+    let mut c = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    for i in 0..20 {
+        let resp = c
+            .should_rate_limit(single("back", &[("k", "v")]))
+            .await
+            .expect("call")
+            .into_inner();
+        assert_eq!(resp.overall_code, Code::Ok as i32, "call {i}");
+    }
+    let status: serde_json::Value = get(http, "/status")
+        .ok()
+        .and_then(|r| serde_json::from_str(&r.body).ok())
+        .unwrap_or_default();
+    assert_eq!(
+        redis.window_total(&key),
+        Some(20),
+        "Redis counts every call at once: {}\n{status}",
+        redis.cli(&["HGETALL", &key])
+    );
+    assert_eq!(
+        status["engine"]["decisions"]["local"].as_u64(),
+        Some(0),
+        "no call decided off Redis: {status}"
     );
 }
 

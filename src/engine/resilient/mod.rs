@@ -254,6 +254,8 @@ impl ResilientEngine {
             if t.to != BreakerState::Healthy {
                 self.mark_trouble(self.clock.now_ms());
             }
+            self.backend
+                .deciding_on_redis(t.to == BreakerState::Healthy);
             Self::log_transition(&t);
             self.wake.notify_one();
         }

@@ -15,8 +15,11 @@
 //!   window, so a window that starts while a peer is still away is covered
 //!   too. Proofs are per failure episode: a peer that proved and then went
 //!   away again is presumed again once anyone announces a new episode.
-//! - **Silent members** (heartbeats stopped, within `membership_holdback_ms`)
-//!   are presumed in every window by every replica: a replica cut off from
+//! - **Silent members** (not deciding on Redis for longer than the
+//!   membership TTL: heartbeats stopped, or beating while still on their
+//!   leases; within `membership_holdback_ms`) are presumed in every window
+//!   by every replica until their first heartbeat back on Redis, after
+//!   their replay: a replica cut off from
 //!   Redis alone cannot tell a partition from an outage and keeps serving
 //!   on its lease, so the fleet would otherwise admit L plus its share for
 //!   as long as the partition lasts. Until its heartbeats have been missing
@@ -74,7 +77,14 @@ impl ResilientEngine {
         let trouble = self.last_trouble_ms.load(Ordering::Relaxed);
         let trouble_at = (trouble != 0).then(|| self.redis_now(trouble));
         let presence = self.presence.read();
-        let members = presence.peers.len() + presence.silent.len() + 1;
+        // A silent member may be live too (beating while off Redis): count
+        // each member once.
+        let unlisted = presence
+            .silent
+            .iter()
+            .filter(|j| !presence.peers.contains(j))
+            .count();
+        let members = presence.peers.len() + unlisted + 1;
         let mut recent_any = false;
         let charges = batch
             .charges
