@@ -25,6 +25,10 @@ descriptors:
     rate_limit:
       unit: second
       requests_per_unit: 1000000000
+  - key: over
+    rate_limit:
+      unit: minute
+      requests_per_unit: 1
 YAML
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
@@ -46,8 +50,23 @@ start_leasehold() {
   eval "GRPC_$name=$g HTTP_$name=$h PID_$name=$pid"
 }
 
-bench() { # ADDR KEYS -> prints one JSON line
-  "$BIN" bench --addr "127.0.0.1:$1" --domain bench --key key --keys "$2" --concurrency 64 --connections 4 --duration "$DUR" --json
+bench() { # ADDR KEYS [DESCRIPTOR KEY] -> prints one JSON line
+  "$BIN" bench --addr "127.0.0.1:$1" --domain bench --key "${3:-key}" --keys "$2" --concurrency 64 --connections 4 --duration "$DUR" --json
+}
+
+# Redis commands run so far (INFO commandstats, every command).
+redis_calls() { redis-cli -p "$REDIS_PORT" info commandstats | awk -F'[=,]' '/^cmdstat_/ {s+=$2} END {print s+0}'; }
+redis_cpu() { redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}'; }
+
+# bench_redis LABEL ADDR KEYS [DESCRIPTOR KEY]: the run plus Redis CPU and
+# commands per 1000 decisions.
+bench_redis() {
+  local before calls r n after after_calls
+  before=$(redis_cpu); calls=$(redis_calls)
+  r=$(bench "$2" "$3" "${4:-key}")
+  after=$(redis_cpu); after_calls=$(redis_calls)
+  n=$(echo "$r" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["requests"])')
+  echo "$1 $(echo "$r" | summary)  Redis CPU $(python3 -c "print(f'{($after-$before)*1e6/$n:.1f}')") ms, $(python3 -c "print(f'{($after_calls-$calls)*1000/$n:.0f}')") commands per 1000 decisions"
 }
 
 summary() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("%.0f req/s  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  errors %d" % (r["requests_per_second"], r["p50_us"]/1e3, r["p99_us"]/1e3, r["p999_us"]/1e3, r["errors"]))'; }
@@ -66,14 +85,15 @@ redis)
   start_leasehold mem
   # A generous deadline: this measures the Redis path, not the fallback.
   LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
+  CO_PORT=$(free_port); target/release/examples/constant_ok "127.0.0.1:$CO_PORT" & PIDS+=($!); sleep 0.5
   for keys in 1 10000; do
+    echo "keys=$keys constant-OK: $(bench "$CO_PORT" $keys | summary)"
     echo "keys=$keys memory: $(bench "$GRPC_mem" $keys | summary)"
-    before=$(redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}')
-    r=$(bench "$GRPC_red" $keys)
-    after=$(redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}')
-    n=$(echo "$r" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["requests"])')
-    echo "keys=$keys redis:  $(echo "$r" | summary)  Redis CPU $(python3 -c "print(f'{($after-$before)*1000/$n*1000:.1f}')") ms per 1000 decisions"
+    bench_redis "keys=$keys redis: " "$GRPC_red" $keys
   done
+  # One hot key over its limit (1 per minute): denied from the over-limit
+  # cache after Redis's first denial, refreshed every over_limit_cache_ms.
+  bench_redis "over-limit hot key, redis:" "$GRPC_red" 1 over
   curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
   SHA=$(redis-cli -p "$REDIS_PORT" script load "$(cat src/redis/decide.lua)")
   # ARGV as src/redis/scripts.rs packs them: index, epoch, never_deny, margin,

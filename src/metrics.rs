@@ -48,6 +48,7 @@ pub struct Metrics {
     redis_failures: IntCounter,
     unanswered_denials: IntCounter,
     wrong_denials: IntCounter,
+    cache_refuted: IntCounter,
     redis_call_seconds: Histogram,
     replay_seconds: prometheus::Counter,
     lease_members: IntGauge,
@@ -156,6 +157,7 @@ impl Metrics {
             redis_failures: counter(&r, "leasehold_redis_failures_total", "Redis decision calls that failed or missed the deadline.")?,
             unanswered_denials: counter(&r, "leasehold_unanswered_denials_total", "Requests denied because Redis, though answering, did not answer them within the budget.")?,
             wrong_denials: counter(&r, "leasehold_wrong_denials_total", "Unanswered denials that Redis admitted when their reply came (their counts are taken back).")?,
+            cache_refuted: counter(&r, "leasehold_over_cache_refuted_total", "Over-limit cache entries a later Redis reply showed were no longer true (a refund on another replica, or Redis lost data).")?,
             redis_call_seconds,
             replay_seconds: {
                 let c = prometheus::Counter::new("leasehold_replay_duration_seconds_total", "Time spent in replay calls.")?;
@@ -248,6 +250,7 @@ impl Metrics {
             mirror(&self.redis_failures, r.decisions.redis_failures);
             mirror(&self.unanswered_denials, r.decisions.unanswered_denials);
             mirror(&self.wrong_denials, r.decisions.wrong_denials);
+            mirror(&self.cache_refuted, r.decisions.cache_refuted);
             let seen = self.replay_seconds.get();
             if r.replay.seconds > seen {
                 self.replay_seconds.inc_by(r.replay.seconds - seen);

@@ -62,6 +62,11 @@ pub struct Settings {
     pub redis_reply_timeout_ms: u64,
     /// Pipelined Redis connections.
     pub redis_pool_size: usize,
+    /// How long a fixed-window counter Redis reported over its limit is
+    /// denied on this replica without a Redis call (within its window); it
+    /// also bounds how long a refund made on another replica can go unseen
+    /// here. 0 turns the over-limit cache off.
+    pub over_limit_cache_ms: u64,
     /// Added to every Redis key's natural lifetime, in milliseconds.
     pub redis_expiry_margin_ms: u64,
     /// This replica's id (default hostname:grpc-port); unique among live replicas.
@@ -141,6 +146,7 @@ impl Default for Settings {
             redis_budget_max_ms: 15,
             redis_reply_timeout_ms: 1_000,
             redis_pool_size: 4,
+            over_limit_cache_ms: 250,
             redis_expiry_margin_ms: 10_000,
             replica_id: None,
             membership_heartbeat_ms: 1_000,
@@ -379,6 +385,7 @@ impl Settings {
         crate::engine::resilient::ResilientConfig {
             deadline_ms: self.redis_deadline_ms,
             budget_max_ms: self.redis_budget_max_ms.max(self.redis_deadline_ms),
+            over_cache_ms: self.over_limit_cache_ms,
             expiry_margin_ms: self.redis_expiry_margin_ms,
             lease_min_share: self.lease_min_share,
             replicas_hint: self.replicas_hint,

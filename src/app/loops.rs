@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
 use crate::decision::RulesHandle;
-use crate::engine::MemoryEngine;
+use crate::engine::{Engine, MemoryEngine};
 use crate::metrics::Metrics;
 use crate::rules::{self, ReloadStatus};
 use crate::settings::Settings;
@@ -21,6 +21,7 @@ use crate::settings::Settings;
 pub(super) async fn reload(
     settings: Settings,
     handle: RulesHandle,
+    engine: Arc<dyn Engine>,
     status: Arc<ReloadStatus>,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
@@ -52,6 +53,7 @@ pub(super) async fn reload(
                 seen = set.hash.clone();
                 metrics.reload(true, &set.hash);
                 handle.store(Arc::new(set));
+                engine.rules_changed();
                 status.successes.fetch_add(1, Ordering::Relaxed);
                 status
                     .loaded_at_ms

@@ -79,6 +79,7 @@ pub async fn run(
     tracing::info!(hash = %rules.hash, files = rules.files.len(), domains = rules.domains.len(), "rules loaded");
     metrics.reload(true, &rules.hash);
     let handle: RulesHandle = Arc::new(ArcSwap::from_pointee(rules));
+    let engine = built.engine.clone();
     let limiter = Arc::new(
         Limiter::new(handle.clone(), built.engine, settings.decision())
             .with_metrics(metrics.clone()),
@@ -88,6 +89,7 @@ pub async fn run(
     tasks.spawn(loops::reload(
         settings.clone(),
         handle,
+        engine,
         reload.clone(),
         metrics,
         stop_rx.clone(),

@@ -70,6 +70,8 @@ pub enum DecisionPath {
     /// Redis answers, but not this request within the budget: denied
     /// without a grant anyone else could not see.
     Unanswered,
+    /// Denied from the over-limit cache, without a Redis call.
+    Cached,
 }
 
 impl DecisionPath {
@@ -79,6 +81,7 @@ impl DecisionPath {
             DecisionPath::Redis => "redis",
             DecisionPath::Local => "local",
             DecisionPath::Unanswered => "unanswered",
+            DecisionPath::Cached => "cache",
         }
     }
 }

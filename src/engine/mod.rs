@@ -53,4 +53,7 @@ pub trait Engine: Send + Sync + 'static {
 
     /// Engine facts for /status and /metrics.
     fn status(&self) -> EngineStatus;
+
+    /// The rules were reloaded: forget anything derived from the old ones.
+    fn rules_changed(&self) {}
 }

@@ -876,3 +876,74 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
     }
     eprintln!("{}", report.join("\n"));
 }
+
+/// The over-limit cache with real Redis and two replicas: once Redis has
+/// denied a key, the replica denies it without a call (`path="cache"`); a
+/// refund made on the other replica is seen here once the entry's lifetime
+/// (250 ms by default) has passed, and is counted as refuted; a refund on
+/// this replica clears the key at once. DEFAULT settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_over_limit_cache_answers_locally_and_sees_refunds_within_its_bound() {
+    let dir = test_dir("over-cache");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: oc\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
+    let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    let a = Leasehold::start("a", &r, &["--replica-id", "a"], &env, &dir);
+    let b = Leasehold::start("b", &r, &["--replica-id", "b"], &env, &dir);
+    wait_for_room(60_000, 20_000).await;
+    let (mut ca, mut cb) = (client(&a).await, client(&b).await);
+    let code = |r: RateLimitResponse| r.overall_code;
+    let call = |c: &mut RateLimitServiceClient<Channel>, refund: bool| {
+        let mut req = single("oc", &[("k", "v")]);
+        req.descriptors[0].is_negative_hits = refund;
+        let mut c = c.clone();
+        async move { c.should_rate_limit(req).await.expect("call").into_inner() }
+    };
+    let cached = |s: &Leasehold| -> u64 {
+        let v: serde_json::Value = get(s.http, "/status")
+            .ok()
+            .and_then(|r| serde_json::from_str(&r.body).ok())
+            .unwrap_or_default();
+        v["engine"]["decisions"]["cached_denials"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    for _ in 0..3 {
+        assert_eq!(code(call(&mut ca, false).await), Code::Ok as i32);
+    }
+    assert_eq!(code(call(&mut ca, false).await), Code::OverLimit as i32);
+    for _ in 0..5 {
+        assert_eq!(code(call(&mut ca, false).await), Code::OverLimit as i32);
+    }
+    assert_eq!(cached(&a), 5, "denied without a Redis call");
+    // A refund on b: Redis has room again at once, a learns it once its
+    // entry ends.
+    assert_eq!(code(call(&mut cb, true).await), Code::Ok as i32);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        code(call(&mut ca, false).await),
+        Code::Ok as i32,
+        "the refund is seen within the entry's lifetime"
+    );
+    let metrics = get(a.http, "/metrics").expect("metrics").body;
+    assert!(
+        metrics.contains("leasehold_over_cache_refuted_total 1"),
+        "counted as refuted:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("over_cache"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // Over again; a refund on a itself clears its entry at once.
+    assert_eq!(code(call(&mut ca, false).await), Code::OverLimit as i32);
+    assert_eq!(code(call(&mut ca, true).await), Code::Ok as i32);
+    assert_eq!(code(call(&mut ca, false).await), Code::Ok as i32);
+    let key = format!("lh:{{oc}}|k=v#60:fw@{}", now_ms() / 60_000);
+    assert_eq!(
+        redis.window_total(&key),
+        Some(3),
+        "Redis = grants − refunds"
+    );
+}

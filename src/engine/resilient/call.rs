@@ -346,6 +346,13 @@ impl ResilientEngine {
             self.wake.notify_one();
         }
         self.stats.redis_decisions.fetch_add(1, Ordering::Relaxed);
-        reply.outcome()
+        let outcome = reply.outcome();
+        let refuted = self.over.learn(batch, &outcome, now, reply.now_ms);
+        if refuted > 0 {
+            self.stats
+                .cache_refuted
+                .fetch_add(refuted, Ordering::Relaxed);
+        }
+        outcome
     }
 }

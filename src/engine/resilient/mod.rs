@@ -37,6 +37,7 @@ pub(crate) mod call;
 pub mod journal;
 pub mod lease;
 pub mod ledger;
+mod over_cache;
 mod presume;
 mod recovery;
 mod status;
@@ -74,6 +75,9 @@ pub struct ResilientConfig {
     /// How long a call waits for its own reply while Redis is answering
     /// (see [`call`]); `deadline_ms` applies when it is not.
     pub budget_max_ms: u64,
+    /// How long an OVER from Redis answers locally (0: never; see
+    /// [`over_cache`]).
+    pub over_cache_ms: u64,
 }
 
 impl ResilientConfig {
@@ -106,6 +110,11 @@ pub struct Stats {
     pub wrong_denials: AtomicU64,
     /// Replies that came after the budget and were folded in.
     pub late_replies: AtomicU64,
+    /// Requests denied from the over-limit cache.
+    pub cached_denials: AtomicU64,
+    /// Cache entries a later Redis reply showed were no longer true (a
+    /// refund elsewhere, or Redis lost data).
+    pub cache_refuted: AtomicU64,
 }
 
 pub struct ResilientEngine {
@@ -136,6 +145,7 @@ pub struct ResilientEngine {
     /// Peers and silent members, from membership (peers frozen while off
     /// Redis, like `members`).
     presence: RwLock<presume::Presence>,
+    over: over_cache::OverCache,
 }
 
 /// Where one request is decided.
@@ -173,6 +183,7 @@ impl ResilientEngine {
             last_trouble_ms: AtomicU64::new(0),
             episode: AtomicU64::new(0),
             presence: RwLock::new(presume::Presence::default()),
+            over: over_cache::OverCache::new(cfg.over_cache_ms),
         };
         if let Some(journal) = &engine.journal {
             let restored = journal::restore(journal, &engine.ledger, now, cfg.expiry_margin_ms);
@@ -324,6 +335,10 @@ impl ResilientEngine {
 impl Engine for ResilientEngine {
     async fn apply(&self, batch: &Batch) -> Result<BatchOutcome, EngineError> {
         let now = self.clock.now_ms();
+        if let Some(outcome) = self.over.answer(batch, now, self.redis_now(now)) {
+            self.stats.cached_denials.fetch_add(1, Ordering::Relaxed);
+            return Ok(outcome);
+        }
         if self.route(batch) == Route::Backend {
             match self.decide_on_backend(batch, now).await {
                 call::Decided::Answered(outcome) => return Ok(outcome),
@@ -336,6 +351,10 @@ impl Engine for ResilientEngine {
 
     fn name(&self) -> &'static str {
         "resilient"
+    }
+
+    fn rules_changed(&self) {
+        self.over.clear();
     }
 
     fn status(&self) -> EngineStatus {

@@ -71,6 +71,10 @@ pub struct DecisionCounts {
     pub unanswered_denials: u64,
     /// Of those, the ones Redis admitted when their reply came late.
     pub wrong_denials: u64,
+    /// Denied from the over-limit cache, without a Redis call.
+    pub cached_denials: u64,
+    /// Over-limit cache entries a later Redis reply refuted.
+    pub cache_refuted: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -151,6 +155,8 @@ impl ResilientEngine {
                 local: stat(&self.stats.local_decisions),
                 unanswered_denials: stat(&self.stats.unanswered_denials),
                 wrong_denials: stat(&self.stats.wrong_denials),
+                cached_denials: stat(&self.stats.cached_denials),
+                cache_refuted: stat(&self.stats.cache_refuted),
                 redis_failures: stat(&self.stats.redis_failures),
             },
             replay: ReplayView {

@@ -5,6 +5,7 @@
 mod budget;
 mod holds;
 mod local_path;
+mod over_cache;
 mod rig;
 
 use std::sync::atomic::Ordering;

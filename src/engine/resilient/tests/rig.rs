@@ -249,6 +249,16 @@ impl Rig {
 
     /// A rig whose engine restores (and writes) `journal`.
     pub(super) fn with_journal(journal: Option<Journal>) -> Rig {
+        Rig::build(journal, 0)
+    }
+
+    /// A rig whose engine has the over-limit cache on, entries living
+    /// `ms`.
+    pub(super) fn with_over_cache(ms: u64) -> Rig {
+        Rig::build(None, ms)
+    }
+
+    fn build(journal: Option<Journal>, over_cache_ms: u64) -> Rig {
         // Mid-window, so a test's requests share one minute window.
         let clock = Arc::new(ManualClock::new(60_000 * 1_000 + 1_000));
         let fake = Fake::new(clock.clone());
@@ -265,6 +275,7 @@ impl Rig {
                 probe_jitter_ms: 200,
                 settle_ms: ResilientConfig::settle_ms(500, 200, DEADLINE_MS),
             },
+            over_cache_ms,
         };
         let engine = ResilientEngine::new(fake.clone(), clock.clone(), cfg, journal);
         Rig {
