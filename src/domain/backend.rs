@@ -148,6 +148,10 @@ pub struct PresumedCharge {
     /// This replica's own local count in the window that the store does
     /// not hold yet (its replay is due): counted as used.
     pub pending: i64,
+    /// This replica already holds the demand share of the window before
+    /// this one, so the store need not read that window for it (fixed
+    /// windows; a sliding window reads it anyway for its count).
+    pub demand_known: bool,
 }
 
 impl Presume {

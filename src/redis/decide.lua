@@ -17,7 +17,9 @@
 --          the caller can tell its reply from another call's
 -- ARGV[9 + 11*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
---          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota),
+--          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota;
+--          bit 3: the caller holds the demand of the previous window, so a
+--          fixed window need not read it),
 --          expected: this replica's confirmed count in window `expected_w`
 --          (-1 unknown), expected_w (when the call lands in that window and
 --          the field is below it, Redis lost data), the fraction of the
@@ -195,12 +197,13 @@ for i = 1, n do
   local hits = tonumber(ARGV[o + 4])
   local flags = tonumber(ARGV[o + 5])
   local refund = flags % 2 == 1
+  local demand_known = math.floor(flags / 8) % 2 == 1
   local expected = tonumber(ARGV[o + 6])
   local expected_w = tonumber(ARGV[o + 7])
   local fraction = tonumber(ARGV[o + 8]) or 0
   local prove = ARGV[o + 9] == '1'
   local pending = tonumber(ARGV[o + 10]) or 0
-  roles[i] = math.floor(flags / 2)
+  roles[i] = math.floor(flags / 2) % 4
   local base = KEYS[i]
   local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0, delta = 0}
 
@@ -212,8 +215,13 @@ for i = 1, n do
     if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
     local weighted = 0
     -- The previous window is complete, so every replica reads the same
-    -- totals for it: demand shares taken from it add up to exactly 1.
-    local prev = window(base .. '@' .. (w - 1))
+    -- totals for it: demand shares taken from it add up to exactly 1. A
+    -- fixed window reads it only for those shares, so not when the caller
+    -- has them already (it then gets no demand back, and keeps its own).
+    local prev = nil
+    if algo == 2 or not demand_known then
+      prev = window(base .. '@' .. (w - 1))
+    end
     if algo == 2 then
       if prev.fence > epoch then stale = true end
       if prev.total > 0 then
@@ -244,7 +252,7 @@ for i = 1, n do
     r.delta = delta
     -- Demand shares only from a window every replica decided on Redis:
     -- shares taken from incomplete totals could add up to more than 1.
-    if prev.troubled then
+    if prev == nil or prev.troubled then
       r.own = -1
       r.total = 0
     else

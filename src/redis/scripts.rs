@@ -81,7 +81,8 @@ fn index_list(indices: &[u64]) -> String {
 /// never_deny, margin, call id; 6-8: failure-episode token ("" none),
 /// presumed peers and silent members (comma-separated indices); then 11 per
 /// charge: algorithm, limit, unit_ms, burst, hits (clamped to
-/// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role), expected count,
+/// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role, bit 3 demand of the
+/// previous window known), expected count,
 /// expected window, presumed fraction per member, may-prove flag, own
 /// local count not replayed yet. The Redis module appends the call's token
 /// (see its docs) and strips it from the reply.
@@ -110,11 +111,12 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<Strin
         args.push(c.spec.unit.millis().to_string());
         args.push(c.spec.burst.to_string());
         args.push(c.hits.min(MAX_HITS).to_string());
-        args.push((u8::from(c.refund) + 2 * role_code(c.role)).to_string());
+        let pc = p.charges.get(i).copied().unwrap_or_default();
+        let flags = u8::from(c.refund) + 2 * role_code(c.role) + 8 * u8::from(pc.demand_known);
+        args.push(flags.to_string());
         let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
         args.push(count.to_string());
         args.push(window.to_string());
-        let pc = p.charges.get(i).copied().unwrap_or_default();
         args.push(if pc.fraction > 0.0 {
             format!("{:.6}", pc.fraction)
         } else {

@@ -135,9 +135,9 @@ impl ResilientEngine {
             .iter()
             .map(|c| {
                 let w = window_of(&c.spec, redis_now);
-                let (count, unreplayed, settled) = self.ledger.expected_and_pending(&c.key, w);
-                pending.push((unreplayed, settled));
-                (count, w)
+                let i = self.ledger.call_inputs(&c.key, w);
+                pending.push((i.pending, i.settled, i.demand_known));
+                (i.expected, w)
             })
             .collect();
         let presume = self.presume(batch, redis_now, &pending);

@@ -72,7 +72,7 @@ impl ResilientEngine {
         &self,
         batch: &Batch,
         redis_now: u64,
-        pending: &[(i64, bool)],
+        pending: &[(i64, bool, bool)],
     ) -> Presume {
         let trouble = self.last_trouble_ms.load(Ordering::Relaxed);
         let trouble_at = (trouble != 0).then(|| self.redis_now(trouble));
@@ -90,7 +90,7 @@ impl ResilientEngine {
             .charges
             .iter()
             .zip(pending)
-            .map(|(c, &(unreplayed, settled))| {
+            .map(|(c, &(unreplayed, settled, demand_known))| {
                 let windowed = matches!(
                     c.spec.algorithm,
                     Algorithm::FixedWindow | Algorithm::SlidingWindow
@@ -113,6 +113,7 @@ impl ResilientEngine {
                     fraction,
                     prove: settled,
                     pending: unreplayed,
+                    demand_known,
                 }
             })
             .collect();

@@ -8,6 +8,19 @@ use crate::key::CounterKey;
 use crate::limit::LimitSpec;
 use std::sync::atomic::Ordering;
 
+/// What a Redis-path call carries per charge from the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallInputs {
+    /// The confirmed count for the data-loss check (-1: no check).
+    pub expected: i64,
+    /// Local grants in the window Redis does not hold yet.
+    pub pending: i64,
+    /// Nothing pending and not suspect: the replica may prove itself.
+    pub settled: bool,
+    /// The demand share of the previous window is known already.
+    pub demand_known: bool,
+}
+
 impl Ledger {
     /// This replica's confirmed count for the data-loss check, or -1 (no
     /// check) when unknown or while a refund for the key is in flight.
@@ -22,16 +35,36 @@ impl Ledger {
     /// the key not suspect) may it prove itself there (`decide.lua`,
     /// "presumed holds").
     pub fn expected_and_pending(&self, key: &CounterKey, window: u64) -> (i64, i64, bool) {
+        let i = self.call_inputs(key, window);
+        (i.expected, i.pending, i.settled)
+    }
+
+    /// [`Self::expected_and_pending`], and whether the demand share of the
+    /// window before `window` is known already (the script need not read
+    /// that window again), under one lock.
+    pub fn call_inputs(&self, key: &CounterKey, window: u64) -> CallInputs {
         let map = self.shard(key).lock();
         let Some(e) = map.get(key) else {
-            return (-1, 0, true);
+            return CallInputs {
+                expected: -1,
+                pending: 0,
+                settled: true,
+                demand_known: false,
+            };
         };
         let w = e.windows.iter().find(|w| w.window == window);
         let expected = w
             .filter(|_| e.refunds_in_flight == 0)
             .map_or(-1, |w| w.redis_own);
         let pending = w.map_or(0, |w| w.local_own.saturating_sub(w.local_replayed));
-        (expected, pending, !e.suspect && pending == 0)
+        CallInputs {
+            expected,
+            pending,
+            settled: !e.suspect && pending == 0,
+            demand_known: e
+                .demand
+                .is_some_and(|(_, dw)| dw.saturating_add(1) == window),
+        }
     }
 
     /// Suspect keys are decided locally until repaired.

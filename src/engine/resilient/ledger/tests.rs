@@ -200,3 +200,20 @@ fn own_local_grants_not_replayed_yet_count_on_the_redis_path() {
         "a suspect key proves nothing"
     );
 }
+
+#[test]
+fn the_previous_windows_demand_is_known_once_a_reply_in_the_window_brought_it() {
+    let l = Ledger::new(10);
+    let (k, s) = key("known");
+    assert!(!l.call_inputs(&k, 5).demand_known, "nothing heard yet");
+    // The first reply in window 5 brings window 4's demand: later calls in
+    // window 5 need not have the script read window 4 again.
+    l.record_redis(&k, &s, 5_100, 1_000, &item(1, 90, 30, 120));
+    assert!(l.call_inputs(&k, 5).demand_known);
+    // A reply that did not read it (own -1) keeps it for window 5.
+    l.record_redis(&k, &s, 5_200, 1_000, &item(1, 89, -1, 0));
+    assert!(l.call_inputs(&k, 5).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 5_300).0, Some(0.25));
+    // Window 6 needs window 5's, which no reply has brought yet.
+    assert!(!l.call_inputs(&k, 6).demand_known);
+}
