@@ -84,7 +84,7 @@ pub struct ReplayEntry {
 /// A failed call. `maybe_applied` is true when the store may still execute
 /// (or has executed) the call: a timeout or a lost reply, as opposed to a
 /// call that provably never left.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum CallError {
     #[error("Redis call timed out after {0:?}")]
     Timeout(Duration),

@@ -75,6 +75,10 @@ pub struct RedisStatus {
     pub replica_id: String,
     pub membership: MemberState,
     pub epoch: u64,
+    /// Script calls that carried decisions, and the decisions they
+    /// carried (more decisions than calls: requests were coalesced).
+    pub decision_calls: u64,
+    pub decisions_sent: u64,
 }
 
 fn not_registered() -> CallError {
@@ -237,6 +241,8 @@ impl RedisEngine {
             replica_id: self.membership.id().to_owned(),
             membership: self.membership.state(),
             epoch: self.epoch(),
+            decision_calls: self.redis.batch_counts().0,
+            decisions_sent: self.redis.batch_counts().1,
         }
     }
 }

@@ -14,12 +14,14 @@
 //! and a recovering replica PINGs every connection before it decides on
 //! Redis again ([`Redis::check_connections`]).
 
+mod batch;
 pub mod inspect;
 pub mod keys;
 pub mod membership;
 pub mod scripts;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -68,6 +70,11 @@ pub struct Redis {
     replay: Script,
     /// The next call's token (see the module docs).
     tokens: AtomicU64,
+    /// Decision calls waiting for their connection ([`batch`]).
+    queues: batch::Queues,
+    /// Script calls that carried decisions, and the decisions they carried.
+    batches: AtomicU64,
+    batched: AtomicU64,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
 }
@@ -140,6 +147,9 @@ impl Redis {
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),
             tokens: AtomicU64::new(1),
+            queues: batch::Queues::new(cfg.pool_size),
+            batches: AtomicU64::new(0),
+            batched: AtomicU64::new(0),
             display_url: redact_url(&cfg.url),
         })
     }
@@ -270,12 +280,14 @@ impl Redis {
         // while the caller is still waiting, so it decides on a lease at once
         // instead of taking the silence for a slow answer.
         let send_within = (self.deadline / 2).min(deadline);
+        // Converted once: fred's keys and values share their bytes, so the
+        // copies each attempt hands to fred are reference counts, not new
+        // strings.
+        let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
+        let args: Vec<Value> = args.into_iter().map(Value::from).collect();
         let attempt = async {
             loop {
-                match self
-                    .eval_once(script, keys.clone(), args.clone(), affinity, &sent)
-                    .await
-                {
+                match self.eval_once(script, &keys, &args, affinity, &sent).await {
                     Err(CallError::NotConnected(_)) if started.elapsed() < send_within => {
                         tokio::time::sleep(Duration::from_millis(5)).await
                     }
@@ -314,8 +326,8 @@ impl Redis {
     async fn eval_once(
         &self,
         script: &Script,
-        keys: Vec<String>,
-        args: Vec<String>,
+        keys: &[Key],
+        args: &[Value],
         affinity: Option<u64>,
         sent: &AtomicBool,
     ) -> Result<Value, CallError> {
@@ -335,8 +347,9 @@ impl Redis {
         });
         sent.store(true, Ordering::SeqCst);
         let token = self.tokens.fetch_add(1, Ordering::Relaxed);
-        let mut args = args;
-        args.push(token.to_string());
+        let mut args = args.to_vec();
+        args.push(Value::Integer(token as i64));
+        let keys = keys.to_vec();
         let result = match client
             .evalsha::<Value, _, _, _>(&script.sha, keys.clone(), args.clone())
             .await
@@ -382,16 +395,24 @@ impl Redis {
     /// caller passes a hash of the first counter key) share a connection, so
     /// Redis runs them in the order they were sent: a refund sent after a
     /// charge cannot run before it and make it see its own field lowered.
+    ///
+    /// Calls queued for one connection while a call is in flight on it are
+    /// sent together ([`batch`]).
     pub async fn decide(
-        &self,
+        self: &Arc<Self>,
         keys: Vec<String>,
         args: Vec<String>,
         affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
-        let value = self
-            .eval(&self.decide, keys, args, self.reply_timeout, Some(affinity))
-            .await?;
-        integers(value)
+        self.decide_coalesced(keys, args, affinity).await
+    }
+
+    /// (script calls that carried decisions, decisions they carried).
+    pub fn batch_counts(&self) -> (u64, u64) {
+        (
+            self.batches.load(Ordering::Relaxed),
+            self.batched.load(Ordering::Relaxed),
+        )
     }
 
     /// Runs the replay script with its own budget (off the request path).

@@ -1,0 +1,198 @@
+//! Coalescing: decision calls bound for one connection that arrive while
+//! a call is in flight on it are sent together, as one script call that
+//! decides them one after the other (`decide.lua`, batch form), each
+//! all-or-nothing on its own. An idle connection sends a call at once.
+//!
+//! What stays true per request: the order of calls for one key (they share
+//! a connection and its queue is first in, first out, with one call in
+//! flight at a time), the epoch fence (each request carries its own), and
+//! what a failure means: a batch that fails or times out fails each of its
+//! requests the same way, so each is handled as if it had been sent alone
+//! (possibly applied, fenced out by the next rewrite, repaired).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use super::{integers, CallError, Redis};
+
+/// Requests per batch at most (and so per script call).
+pub const MAX_BATCH: usize = 32;
+
+type Reply = Result<Vec<i64>, CallError>;
+
+struct Queued {
+    keys: Vec<String>,
+    args: Vec<String>,
+    reply: oneshot::Sender<Reply>,
+}
+
+#[derive(Default)]
+struct State {
+    queue: Vec<Queued>,
+    /// A sender task is running for this connection.
+    sending: bool,
+}
+
+/// One queue per connection of the pool.
+#[derive(Default)]
+pub(super) struct Queues {
+    slots: Vec<Mutex<State>>,
+}
+
+impl Queues {
+    pub fn new(connections: usize) -> Self {
+        Queues {
+            slots: (0..connections.max(1))
+                .map(|_| Mutex::new(State::default()))
+                .collect(),
+        }
+    }
+}
+
+impl Redis {
+    /// Queues one decision call for the connection `affinity` picks and
+    /// waits for its reply.
+    pub(super) async fn decide_coalesced(
+        self: &Arc<Self>,
+        keys: Vec<String>,
+        args: Vec<String>,
+        affinity: u64,
+    ) -> Reply {
+        let slot = (affinity % self.queues.slots.len() as u64) as usize;
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut s = self.queues.slots[slot].lock();
+            s.queue.push(Queued {
+                keys,
+                args,
+                reply: tx,
+            });
+            !std::mem::replace(&mut s.sending, true)
+        };
+        if start {
+            let redis = self.clone();
+            tokio::spawn(async move { redis.send_queued(slot).await });
+        }
+        // The sender always answers; a dropped sender means the runtime
+        // is shutting down, and the call may have left.
+        rx.await
+            .unwrap_or(Err(CallError::Timeout(self.reply_timeout)))
+    }
+
+    /// Sends what is queued for `slot`, a batch at a time, until the
+    /// queue is empty.
+    async fn send_queued(&self, slot: usize) {
+        loop {
+            let batch: Vec<Queued> = {
+                let mut s = self.queues.slots[slot].lock();
+                if s.queue.is_empty() {
+                    s.sending = false;
+                    return;
+                }
+                let n = s.queue.len().min(MAX_BATCH);
+                s.queue.drain(..n).collect()
+            };
+            self.batches
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.batched
+                .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            if batch.len() == 1 {
+                for q in batch {
+                    let r = self
+                        .eval(
+                            &self.decide,
+                            q.keys,
+                            q.args,
+                            self.reply_timeout,
+                            Some(slot as u64),
+                        )
+                        .await
+                        .and_then(integers);
+                    let _ = q.reply.send(r);
+                }
+                continue;
+            }
+            let mut keys = Vec::with_capacity(batch.iter().map(|q| q.keys.len()).sum());
+            let mut args =
+                Vec::with_capacity(2 + batch.iter().map(|q| 2 + q.args.len()).sum::<usize>());
+            args.push("B".to_owned());
+            args.push(batch.len().to_string());
+            let mut replies = Vec::with_capacity(batch.len());
+            for q in batch {
+                args.push(q.keys.len().to_string());
+                args.push(q.args.len().to_string());
+                keys.extend(q.keys);
+                args.extend(q.args);
+                replies.push(q.reply);
+            }
+            let result = self
+                .eval(
+                    &self.decide,
+                    keys,
+                    args,
+                    self.reply_timeout,
+                    Some(slot as u64),
+                )
+                .await
+                .and_then(integers);
+            match result.and_then(|flat| split(&flat, replies.len())) {
+                Ok(parts) => {
+                    for (tx, part) in replies.into_iter().zip(parts) {
+                        let _ = tx.send(Ok(part));
+                    }
+                }
+                Err(e) => {
+                    for tx in replies {
+                        let _ = tx.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A batch reply, `{len, reply...}` per request, split into `n` replies.
+fn split(flat: &[i64], n: usize) -> Result<Vec<Vec<i64>>, CallError> {
+    let mut out = Vec::with_capacity(n);
+    let mut rest = flat;
+    for _ in 0..n {
+        let (&len, tail) = rest
+            .split_first()
+            .ok_or_else(|| CallError::Reply("batch reply too short".to_owned()))?;
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        if len > tail.len() {
+            return Err(CallError::Reply(format!(
+                "batch reply announces {len} items, {} left",
+                tail.len()
+            )));
+        }
+        out.push(tail[..len].to_vec());
+        rest = &tail[len..];
+    }
+    if !rest.is_empty() {
+        return Err(CallError::Reply(format!(
+            "batch reply has {} items too many",
+            rest.len()
+        )));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_reply_splits_per_request_or_says_why_not() {
+        let flat = [2, 7, 8, 0, 3, 1, 2, 3];
+        assert_eq!(
+            split(&flat, 3).ok(),
+            Some(vec![vec![7, 8], vec![], vec![1, 2, 3]])
+        );
+        assert!(split(&flat, 2).is_err(), "items left over");
+        assert!(split(&flat, 4).is_err(), "too short");
+        assert!(split(&[5, 1], 1).is_err(), "announces more than it has");
+    }
+}
