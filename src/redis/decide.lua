@@ -63,9 +63,8 @@
 -- towards its presumption, not on top.
 -- One request's decision; KEYS and ARGV are that request's (the script's
 -- own in a single call, its slices in a batch).
-local function decide(KEYS, ARGV)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- `now`: Redis's time in ms, read once per script call.
+local function decide(KEYS, ARGV, now)
   local me = ARGV[1]
   local epoch = tonumber(ARGV[2])
   local fence_field = 'f' .. me
@@ -97,6 +96,9 @@ local function decide(KEYS, ARGV)
   local function read_window(key)
     local flat = redis.call('HGETALL', key)
     local total, own, own_local, fence, held = 0, 0, 0, 0, 0
+    -- Every writer sets the hash's expiry when it creates it, to the same
+    -- window end plus margin: an existing hash needs it no more.
+    local exists = #flat > 0
     local holds, proofs, x, mine = {}, {}, nil, nil
     -- Some replica decided off Redis in this window (it replayed, held, or
     -- announced a failure episode): its totals may be incomplete.
@@ -132,7 +134,8 @@ local function decide(KEYS, ARGV)
       end
     end
     return {total = total, own = own, own_local = own_local, fence = fence, held = held,
-            holds = holds, proofs = proofs, x = x, mine = mine, troubled = troubled}
+            holds = holds, proofs = proofs, x = x, mine = mine, troubled = troubled,
+            exists = exists}
   end
 
   -- What the presumed members may grant in window `cur` unseen, beyond
@@ -262,7 +265,7 @@ local function decide(KEYS, ARGV)
         r.total = prev.total
       end
       if delta ~= 0 then
-        writes[#writes + 1] = {'hincr', key, delta, expire_at}
+        writes[#writes + 1] = {'hincr', key, delta, expire_at, cur.exists}
       end
     elseif algo == 3 then
       -- Sliding log: one member per hit, scored by time; member ids are
@@ -388,7 +391,7 @@ local function decide(KEYS, ARGV)
       local kind = wr[1]
       if kind == 'hincr' then
         redis.call('HINCRBY', wr[2], me, wr[3])
-        redis.call('PEXPIREAT', wr[2], wr[4])
+        if not wr[5] then redis.call('PEXPIREAT', wr[2], wr[4]) end
       elseif kind == 'zadd' then
         -- In chunks: unpack() has a small stack limit.
         local args = {}
@@ -440,8 +443,10 @@ end
 -- A batch's reply is, per request, the length of its reply and the reply.
 -- Either way the call's token (the last ARGV) ends the reply.
 local token = tonumber(ARGV[#ARGV])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[1] ~= 'B' then
-  local r = decide(KEYS, ARGV)
+  local r = decide(KEYS, ARGV, now)
   r[#r + 1] = token
   return r
 end
@@ -454,7 +459,7 @@ for _ = 1, tonumber(ARGV[2]) do
   for j = 1, na do args[j] = ARGV[a + 1 + j] end
   k = k + nk
   a = a + 2 + na
-  local r = decide(keys, args)
+  local r = decide(keys, args, now)
   out[#out + 1] = #r
   for _, v in ipairs(r) do out[#out + 1] = v end
 end
