@@ -4,8 +4,11 @@
 # --bins --examples), redis-server and redis-benchmark.
 #
 #   benches/bench.sh memory     in-memory engine vs a constant-OK tonic server
-#   benches/bench.sh redis      Redis engine vs memory, EVALSHA ceiling,
-#                               Redis CPU per 1000 decisions, bytes per key
+#   benches/bench.sh redis      the gRPC ceiling, memory, the Redis path (hot
+#                               key, 10,000 keys, a key over its limit, four
+#                               replicas in aggregate), Redis CPU and
+#                               commands per 1000 decisions, EVALSHA alone,
+#                               bytes per key
 #   benches/bench.sh outage     Redis up / down (local path) / recovery,
 #                               local path vs memory (median of 3), RSS with
 #                               100,000 keys through an outage
@@ -94,6 +97,29 @@ redis)
   # One hot key over its limit (1 per minute): denied from the over-limit
   # cache after Redis's first denial, refreshed every over_limit_cache_ms.
   bench_redis "over-limit hot key, redis:" "$GRPC_red" 1 over
+  # Four replicas on the one Redis, one hot key, 16 in flight to each (64
+  # in all): requests/s summed, the worst replica's percentiles.
+  for i in 2 3 4; do
+    LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold "red$i" --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id "bench-$i"
+  done
+  before=$(redis_cpu); calls=$(redis_calls); loads=()
+  for port in "$GRPC_red" "$GRPC_red2" "$GRPC_red3" "$GRPC_red4"; do
+    "$BIN" bench --addr "127.0.0.1:$port" --domain bench --key key --keys 1 --concurrency 16 --connections 1 --duration "$DUR" --json >"$WORK/agg-$port.json" &
+    loads+=($!)
+  done
+  wait "${loads[@]}"
+  after=$(redis_cpu); after_calls=$(redis_calls)
+  python3 - "$before" "$after" "$calls" "$after_calls" "$WORK"/agg-*.json <<'PY'
+import json, sys
+before, after, calls, after_calls = map(float, sys.argv[1:5])
+runs = [json.load(open(f)) for f in sys.argv[5:]]
+n = sum(r["requests"] for r in runs)
+rps = sum(r["requests_per_second"] for r in runs)
+worst = lambda k: max(r[k] for r in runs) / 1e3
+print("four replicas, one hot key, in aggregate: %.0f req/s  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  errors %d  Redis CPU %.1f ms, %.0f commands per 1000 decisions"
+      % (rps, worst("p50_us"), worst("p99_us"), worst("p999_us"), sum(r["errors"] for r in runs),
+         (after - before) * 1e6 / n, (after_calls - calls) * 1000 / n))
+PY
   curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
   SHA=$(redis-cli -p "$REDIS_PORT" script load "$(cat src/redis/decide.lua)")
   # ARGV as src/redis/scripts.rs packs them: index, epoch, never_deny, margin,
