@@ -186,6 +186,17 @@ fn invalid(key: &'static str, why: impl Into<String>) -> SettingsError {
     }
 }
 
+/// Kubernetes gives every pod of a namespace with a Service named
+/// `leasehold` the variables `LEASEHOLD_SERVICE_HOST`,
+/// `LEASEHOLD_SERVICE_PORT[_<name>]` and `LEASEHOLD_PORT[_<port>_<proto>…]`:
+/// they are not settings, and refusing them would crash-loop every pod.
+fn is_service_link(key: &str) -> bool {
+    key == "LEASEHOLD_SERVICE_HOST"
+        || key.starts_with("LEASEHOLD_SERVICE_PORT")
+        || key == "LEASEHOLD_PORT"
+        || key.starts_with("LEASEHOLD_PORT_")
+}
+
 impl Settings {
     /// Defaults, then the settings file (if any), then `LEASEHOLD_*`
     /// variables from `env`. Flags are applied by the caller afterwards.
@@ -197,19 +208,25 @@ impl Settings {
         if let Some(path) = file {
             builder = builder.add_source(config::File::from(path).required(true));
         }
-        let vars: config::Map<String, String> = env
+        let mut vars: config::Map<String, String> = env
             .into_iter()
             // LEASEHOLD_SETTINGS names the file itself (read by the CLI), not a setting.
-            .filter(|(k, _)| k.starts_with("LEASEHOLD_") && k != "LEASEHOLD_SETTINGS")
+            .filter(|(k, _)| {
+                k.starts_with("LEASEHOLD_") && k != "LEASEHOLD_SETTINGS" && !is_service_link(k)
+            })
             .collect();
+        let rules = vars.remove("LEASEHOLD_RULES");
+        // Values stay strings until each setting's own type reads them, so
+        // a replica id "007" stays "007" (and "01" and "1" stay distinct).
         builder = builder.add_source(
             config::Environment::with_prefix("LEASEHOLD")
                 .prefix_separator("_")
-                .try_parsing(true)
-                .list_separator(",")
-                .with_list_parse_key("rules")
                 .source(Some(vars)),
         );
+        if let Some(rules) = rules {
+            let paths: Vec<String> = rules.split(',').map(str::to_owned).collect();
+            builder = builder.set_override("rules", paths)?;
+        }
         Ok(builder.build()?.try_deserialize()?)
     }
 
@@ -438,6 +455,37 @@ mod tests {
         assert!(s.shadow_mode);
         assert_eq!(s.rules, vec![PathBuf::from("x.yaml"), PathBuf::from("y")]);
         assert_eq!(s.http_addr, Settings::default().http_addr);
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_not_settings_and_values_keep_their_text() {
+        let vars = [
+            ("LEASEHOLD_SERVICE_HOST", "10.0.0.7"),
+            ("LEASEHOLD_SERVICE_PORT", "8081"),
+            ("LEASEHOLD_SERVICE_PORT_GRPC", "8081"),
+            ("LEASEHOLD_PORT", "tcp://10.0.0.7:8081"),
+            ("LEASEHOLD_PORT_8081_TCP", "tcp://10.0.0.7:8081"),
+            ("LEASEHOLD_PORT_8081_TCP_PROTO", "tcp"),
+            ("LEASEHOLD_PORT_8081_TCP_PORT", "8081"),
+            ("LEASEHOLD_PORT_8081_TCP_ADDR", "10.0.0.7"),
+            ("LEASEHOLD_REPLICA_ID", "007"),
+            ("LEASEHOLD_REDIS_POOL_SIZE", "8"),
+            ("LEASEHOLD_LEASE_MIN_SHARE", "0.05"),
+            ("LEASEHOLD_SHADOW_MODE", "true"),
+            ("LEASEHOLD_RULES", "a.yaml,b"),
+        ];
+        let env = vars.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let s = Settings::load(None, env).expect("service links are ignored");
+        assert_eq!(s.replica_id.as_deref(), Some("007"), "not coerced to 7");
+        assert_eq!(s.redis_pool_size, 8);
+        assert_eq!(s.lease_min_share, 0.05);
+        assert!(s.shadow_mode);
+        assert_eq!(s.rules, vec![PathBuf::from("a.yaml"), PathBuf::from("b")]);
+        let typo = vec![("LEASEHOLD_REDIS_POOL".to_string(), "8".to_string())];
+        let e = Settings::load(None, typo).expect_err("an unknown setting");
+        assert!(e.to_string().contains("redis_pool"), "{e}");
+        let bad = vec![("LEASEHOLD_REDIS_POOL_SIZE".to_string(), "many".to_string())];
+        assert!(Settings::load(None, bad).is_err(), "not a number");
     }
 
     #[test]
