@@ -111,10 +111,12 @@ pub struct Members {
     pub live: usize,
     /// Times the store turned out to be a new dataset (lost its data).
     pub reregistrations: u64,
-    /// Field indices of the other live replicas.
+    /// Field indices of the other replicas seen within the hold-back
+    /// horizon (live or not): whom a replica back from trouble presumes.
     pub peers: Vec<u64>,
-    /// Field indices of replicas whose heartbeats stopped within the
-    /// hold-back horizon: they may be cut off and deciding on their leases.
+    /// Field indices of replicas not deciding on Redis for longer than
+    /// the TTL, within the hold-back horizon: they may be deciding on their
+    /// leases.
     pub silent: Vec<u64>,
 }
 

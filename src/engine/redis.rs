@@ -283,8 +283,11 @@ impl Backend for RedisEngine {
         Members {
             live: state.live.len(),
             reregistrations: state.reregistrations,
+            // Every member seen within the hold-back horizon, live or not:
+            // one whose heartbeats lapsed in a flap may still be deciding
+            // on its lease.
             peers: state
-                .live_indices
+                .known_indices
                 .iter()
                 .copied()
                 .filter(|i| Some(*i) != state.index)

@@ -27,7 +27,7 @@
 -- ARGV[7]  the call's token, returned as the reply's last item
 --
 -- Reply: {1, index, now_ms, incarnation, {live ids}, {their indices},
--- {silent members' indices}} on success; {0, other nonce} when
+-- {silent members' indices}, {known members' indices}} on success; {0, other nonce} when
 -- another live incarnation owns the id (two writers of one field would
 -- corrupt replay, so the caller must not use it).
 local t = redis.call('TIME')
@@ -88,4 +88,10 @@ local silent = {}
 if holdback > ttl then
   silent = redis.call('ZRANGEBYSCORE', KEYS[7], now - holdback, '(' .. (now - ttl))
 end
-return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent), token}
+-- Known: any beat within the hold-back horizon (the TTL at least), live or
+-- not: the members a replica back from trouble presumes until they prove
+-- themselves, so a member whose heartbeats lapsed during a flap is not
+-- left out.
+local known = redis.call('ZRANGEBYSCORE', KEYS[2], now - math.max(holdback, ttl), '+inf')
+return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent),
+        indices(known), token}

@@ -27,6 +27,9 @@ pub struct MemberState {
     /// Field indices of members whose heartbeats stopped within the
     /// hold-back horizon (see `membership_holdback_ms`).
     pub silent_indices: Vec<u64>,
+    /// Field indices of every member that beat within the hold-back
+    /// horizon (the TTL at least), live or not.
+    pub known_indices: Vec<u64>,
     /// Redis time of the last successful beat.
     pub last_beat_ms: Option<u64>,
     /// Set when another live incarnation owns this id.
@@ -161,6 +164,7 @@ impl Membership {
                 s.live = live;
                 s.live_indices = numbers(5);
                 s.silent_indices = numbers(6);
+                s.known_indices = numbers(7);
                 s.conflict = None;
                 s.last_error = None;
                 Ok(())

@@ -6,7 +6,8 @@
 //! its replay. Two cases, one mechanism:
 //!
 //! - **After trouble of its own** (a lease decision, a failed call, a trip)
-//!   a replica presumes every peer to hold its share of each charge's window
+//!   a replica presumes every peer (every member that beat within the
+//!   hold-back horizon, live or not) to hold its share of each charge's window
 //!   unless the peer has proved since that it decides the key on Redis with
 //!   nothing unreplayed. Trouble with Redis is rarely one replica's alone (a
 //!   flap, a restart, a network blip): whoever comes back first must not
