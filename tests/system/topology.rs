@@ -489,14 +489,25 @@ async fn replica_killed_under_load_is_routed_around() {
         }
     }
     let windows: Vec<_> = per_window.iter().collect();
+    // Once its heartbeats have been missing for the membership TTL (5 s by
+    // default), the killed replica counts as silent: the others hold back
+    // its share for `membership_holdback_ms` (it might be cut off and
+    // serving on its lease), so a crash costs that share until then
+    // (docs/guarantees.md G7.2): about a quarter under this even load.
+    let silent_known_ms = kill_ms + 5_000;
     for (w, (admitted, uncertain)) in &windows[1..windows.len() - 1] {
         assert!(
             *admitted <= LIMIT + uncertain,
             "window {w}: {admitted} admitted (±{uncertain})"
         );
+        let floor = if **w + UNIT_MS > silent_known_ms {
+            LIMIT * 7 / 10
+        } else {
+            LIMIT
+        };
         assert!(
-            *admitted + uncertain >= LIMIT,
-            "window {w}: only {admitted} admitted"
+            *admitted + uncertain >= floor,
+            "window {w}: only {admitted} admitted (at least {floor} expected)"
         );
     }
 }
