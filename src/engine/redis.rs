@@ -236,13 +236,14 @@ impl RedisEngine {
     }
 
     pub fn redis_status(&self) -> RedisStatus {
+        let (decision_calls, decisions_sent) = self.redis.batch_counts();
         RedisStatus {
             redis: self.redis.display_url.clone(),
             replica_id: self.membership.id().to_owned(),
             membership: self.membership.state(),
             epoch: self.epoch(),
-            decision_calls: self.redis.batch_counts().0,
-            decisions_sent: self.redis.batch_counts().1,
+            decision_calls,
+            decisions_sent,
         }
     }
 }

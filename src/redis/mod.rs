@@ -162,24 +162,17 @@ impl Redis {
     /// authentication, not a Redis server, timeout).
     pub async fn ping(&self, timeout: Duration) -> Result<(), String> {
         let carrier = self.pool.next();
-        let client = carrier.with_options(&Options {
-            timeout: Some(timeout),
-            max_attempts: Some(1),
-            ..Default::default()
-        });
-        let token = self.tokens.fetch_add(1, Ordering::Relaxed).to_string();
-        let pong = client.ping::<Value>(Some(token.clone()));
-        let result = match tokio::time::timeout(timeout, pong).await {
-            Ok(Ok(v)) if echoes(&v, &token) => return Ok(()),
-            Ok(Ok(other)) => {
-                replace(carrier);
-                format!("reply {other:?} is not this PING's (connection replaced)")
-            }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => {
+        let result = match self.ping_on(carrier, timeout).await {
+            Ok(()) => return Ok(()),
+            Err(CallError::Timeout(_)) => {
                 replace(carrier);
                 format!("no answer within {timeout:?}")
             }
+            Err(e @ CallError::Reply(_)) => {
+                replace(carrier);
+                format!("{e} (connection replaced)")
+            }
+            Err(e) => e.to_string(),
         };
         Err(match self.diagnose(timeout).await {
             Some(cause) => format!("{result}; a direct connection attempt says: {cause}"),
@@ -202,23 +195,11 @@ impl Redis {
                     carrier.state()
                 )));
             }
-            let token = self.tokens.fetch_add(1, Ordering::Relaxed).to_string();
-            let client = carrier.with_options(&Options {
-                max_attempts: Some(1),
-                fail_fast: true,
-                ..Default::default()
-            });
-            let pong = client.ping::<Value>(Some(token.clone()));
-            let error = match tokio::time::timeout(timeout, pong).await {
-                Ok(Ok(v)) if echoes(&v, &token) => return Ok(()),
-                Ok(Ok(other)) => CallError::Reply(format!(
-                    "{other:?} is not this PING's reply (connection replaced)"
-                )),
-                Ok(Err(e)) => CallError::Redis(e.to_string()),
-                Err(_) => CallError::Timeout(timeout),
-            };
-            let _ = tokio::time::timeout(timeout, carrier.force_reconnection()).await;
-            Err(error)
+            let result = self.ping_on(carrier, timeout).await;
+            if matches!(result, Err(CallError::Timeout(_) | CallError::Reply(_))) {
+                let _ = tokio::time::timeout(timeout, carrier.force_reconnection()).await;
+            }
+            result
         });
         let results = futures::future::join_all(pings).await;
         if results.iter().any(Result::is_ok) {
@@ -228,6 +209,29 @@ impl Redis {
             .into_iter()
             .find_map(Result::err)
             .unwrap_or_else(|| CallError::NotConnected(self.display_url.clone())))
+    }
+
+    /// One PING on `carrier` with a token of its own as the message: Ok only
+    /// when that token comes back within `timeout` (a reply out of step is
+    /// `Reply`, silence `Timeout`). The caller decides what to replace.
+    async fn ping_on(&self, carrier: &Client, timeout: Duration) -> Result<(), CallError> {
+        // The timeout is ours, not fred's: a PING that gets no answer must
+        // read as silence, which replaces the connection.
+        let client = carrier.with_options(&Options {
+            max_attempts: Some(1),
+            ..Default::default()
+        });
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed).to_string();
+        let pong = client.ping::<Value>(Some(token.clone()));
+        match tokio::time::timeout(timeout, pong).await {
+            Ok(Ok(v)) if echoes(&v, &token) => Ok(()),
+            Ok(Ok(other)) => Err(CallError::Reply(format!(
+                "{other:?} is not this PING's reply"
+            ))),
+            Ok(Err(e)) if e.kind() == &ErrorKind::Timeout => Err(CallError::Timeout(timeout)),
+            Ok(Err(e)) => Err(CallError::Redis(e.to_string())),
+            Err(_) => Err(CallError::Timeout(timeout)),
+        }
     }
 
     /// One connection attempt without retries, to surface why the pool
@@ -332,15 +336,14 @@ impl Redis {
         sent: &AtomicBool,
     ) -> Result<Value, CallError> {
         let carrier = self.client(affinity);
-        let client = carrier;
-        if !client.is_connected() {
+        if !carrier.is_connected() {
             return Err(CallError::NotConnected(format!(
                 "{} ({:?})",
                 self.display_url,
-                client.state()
+                carrier.state()
             )));
         }
-        let client = client.with_options(&Options {
+        let client = carrier.with_options(&Options {
             max_attempts: Some(1),
             fail_fast: true,
             ..Default::default()

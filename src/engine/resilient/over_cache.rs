@@ -131,15 +131,25 @@ impl OverCache {
         if self.lifetime_ms == 0 {
             return 0;
         }
-        let relevant =
-            |c: &Charge, over: bool| cacheable(c) && (over || (!outcome.denied && self.holds(c)));
-        if !batch
-            .charges
-            .iter()
-            .zip(&outcome.items)
-            .any(|(c, i)| relevant(c, i.over))
+        // Most replies start nothing and refute nothing: tell under one
+        // read lock, and take the write lock only when there is work.
         {
-            return 0;
+            let entries = self.entries.read();
+            let holds = |c: &Charge| {
+                entries
+                    .get(&c.key)
+                    .is_some_and(|list| entry_for(list, c).is_some())
+            };
+            let relevant =
+                |c: &Charge, over: bool| cacheable(c) && (over || (!outcome.denied && holds(c)));
+            if !batch
+                .charges
+                .iter()
+                .zip(&outcome.items)
+                .any(|(c, i)| relevant(c, i.over))
+            {
+                return 0;
+            }
         }
         let mut refuted = 0;
         let mut entries = self.entries.write();
@@ -198,14 +208,6 @@ impl OverCache {
             }
         }
         refuted
-    }
-
-    /// Whether some entry exists for this charge's counter and limit.
-    fn holds(&self, c: &Charge) -> bool {
-        self.entries
-            .read()
-            .get(&c.key)
-            .is_some_and(|list| entry_for(list, c).is_some())
     }
 
     /// Forgets everything (a rules reload).
