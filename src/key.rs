@@ -8,11 +8,25 @@
 //! bytes), so the separators are unambiguous, two different descriptors can
 //! never produce the same key, and no `{...}` hash tag can be smuggled in
 //! by a value.
+//!
+//! A value longer than [`MAX_RAW_VALUE_BYTES`] (values are chosen by
+//! clients: a 5 KiB user id, a long path) is written as its SHA-256,
+//! `%00sha256%3A<64 hex digits>`, so every key stays bounded and distinct
+//! values stay distinct counters. A value that itself starts with NUL is
+//! digested too, so no raw value can spell out another value's digest. The
+//! bound is a constant, not a setting: replicas that disagreed on it would
+//! count one value under two keys.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use sha2::{Digest as _, Sha256};
+
 use crate::limit::LimitSpec;
+
+/// Values up to this many bytes appear in a key as they are (escaped);
+/// longer ones by their digest (module docs).
+pub const MAX_RAW_VALUE_BYTES: usize = 4096;
 
 /// The identity of one counter: domain, the request's entries (with shared
 /// wildcard patterns substituted), unit and algorithm.
@@ -41,7 +55,7 @@ impl CounterKey {
             s.push('|');
             escape_into(&mut s, k);
             s.push('=');
-            escape_into(&mut s, v);
+            push_value(&mut s, v);
         }
         let _ = write!(s, "#{}:{}", spec.unit.seconds(), spec.algorithm.tag());
         CounterKey(Arc::from(s))
@@ -109,6 +123,17 @@ impl CounterKey {
 impl std::fmt::Display for CounterKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+/// A value in a key: escaped, or digested when long (module docs).
+fn push_value(out: &mut String, value: &str) {
+    if value.len() > MAX_RAW_VALUE_BYTES || value.starts_with('\0') {
+        // The escaped form of "\0sha256:", so `parts` gives it back unescaped.
+        out.push_str("%00sha256%3A");
+        out.push_str(&hex::encode(Sha256::digest(value.as_bytes())));
+    } else {
+        escape_into(out, value);
     }
 }
 
@@ -202,6 +227,33 @@ mod tests {
         let bare = CounterKey::new("d", std::iter::empty(), &spec);
         assert_eq!(bare.split_tag(), ("d", "#3600:sw"));
         assert!(bare.parts().entries.is_empty());
+    }
+
+    #[test]
+    fn long_values_are_counted_under_a_bounded_distinct_digest() {
+        let spec = LimitSpec::fixed(1, Unit::Second);
+        let at_bound = "v".repeat(MAX_RAW_VALUE_BYTES);
+        let kept = CounterKey::new("d", [("user", at_bound.as_str())], &spec);
+        assert!(
+            kept.as_str().contains(&at_bound),
+            "at the bound: kept as is"
+        );
+        let long_a = "a".repeat(60_000);
+        let long_b = format!("{}b", "a".repeat(59_999));
+        let a = CounterKey::new("d", [("user", long_a.as_str())], &spec);
+        let b = CounterKey::new("d", [("user", long_b.as_str())], &spec);
+        assert_ne!(a, b, "distinct long values stay distinct counters");
+        assert!(a.as_str().len() < 100, "{}", a.as_str());
+        let digest = hex::encode(Sha256::digest(long_a.as_bytes()));
+        assert_eq!(a.as_str(), format!("d|user=%00sha256%3A{digest}#1:fw"));
+        // A short value spelling out the digest is digested in turn, so it
+        // cannot land on the long value's counter.
+        let spelled = format!("\0sha256:{digest}");
+        let c = CounterKey::new("d", [("user", spelled.as_str())], &spec);
+        assert_ne!(c, a);
+        assert!(c.as_str().starts_with("d|user=%00sha256%3A"));
+        // The digest parses back as a value like any other.
+        assert_eq!(a.parts().entries[0].1, format!("\0sha256:{digest}"));
     }
 
     #[test]

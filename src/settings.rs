@@ -36,8 +36,13 @@ pub struct Settings {
     pub max_descriptors: usize,
     /// Request bounds: entries per descriptor.
     pub max_entries: usize,
-    /// Request bounds: bytes in a domain, key or value.
+    /// Request bounds: bytes in a domain or an entry key. Values are never
+    /// refused for their length: a value over 4096 bytes is counted under
+    /// its SHA-256.
     pub max_entry_bytes: usize,
+    /// Largest gRPC message and `POST /json` body, in bytes, refused before
+    /// it is decoded (gRPC OUT_OF_RANGE, HTTP 413).
+    pub max_request_bytes: usize,
     /// How long in-flight calls may take to finish after SIGTERM, in milliseconds.
     pub shutdown_grace_ms: u64,
     /// How long to report NOT_SERVING before closing listeners, so balancers
@@ -137,6 +142,7 @@ impl Default for Settings {
             max_descriptors: b.max_descriptors,
             max_entries: b.max_entries,
             max_entry_bytes: b.max_entry_bytes,
+            max_request_bytes: 256 * 1024,
             shutdown_grace_ms: 10_000,
             shutdown_delay_ms: 0,
             sweep_interval_ms: 5_000,
@@ -260,6 +266,14 @@ impl Settings {
             if v == 0 {
                 return Err(invalid(key, "must be greater than 0"));
             }
+        }
+        // Envoy's default header limit is 60 KiB: a request must hold at
+        // least one such header value, or Envoy would fail open on it.
+        if self.max_request_bytes < 64 * 1024 {
+            return Err(invalid(
+                "max_request_bytes",
+                "must be at least 65536 (Envoy sends header values of up to 60 KiB by default)",
+            ));
         }
         for (key, v) in [
             ("header_limit", &self.header_limit),

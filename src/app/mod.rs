@@ -103,6 +103,7 @@ pub async fn run(
     let state = HttpState {
         limiter: limiter.clone(),
         bounds: settings.bounds(),
+        max_body_bytes: settings.max_request_bytes,
         health: health.clone(),
         reload,
         replica_id,

@@ -74,7 +74,10 @@ pub(super) async fn start(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(rls.into_server())
+        .add_service(
+            rls.into_server()
+                .max_decoding_message_size(settings.max_request_bytes),
+        )
         .serve_with_incoming_shutdown(accept_nodelay(listeners.grpc), stopped(stop.clone()));
 
     // With an admin listener, the pages that show descriptor values move

@@ -11,7 +11,7 @@ mod status_page;
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -27,6 +27,8 @@ pub use health::Health;
 pub struct HttpState {
     pub limiter: Arc<Limiter>,
     pub bounds: Bounds,
+    /// Largest `POST /json` body; larger ones get 413 before they are read.
+    pub max_body_bytes: usize,
     pub health: Arc<Health>,
     pub reload: Arc<ReloadStatus>,
     pub replica_id: Arc<str>,
@@ -46,7 +48,10 @@ pub fn public_router(state: HttpState) -> Router {
         .route("/healthcheck", get(health::healthcheck))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(metrics))
-        .route("/json", post(json::decide))
+        .route(
+            "/json",
+            post(json::decide).layer(DefaultBodyLimit::max(state.max_body_bytes)),
+        )
         .with_state(state)
 }
 

@@ -3,6 +3,14 @@
 //! override unit) plus size bounds, so a hostile request cannot make the
 //! server allocate or hash unbounded input. A request that fails here charges
 //! nothing.
+//!
+//! Only what Envoy's configuration decides is refused: the domain, the
+//! number of descriptors and entries, the entry keys. Values come from
+//! clients (headers, addresses), and an error would make Envoy fail open
+//! (`failure_mode_deny: false`) for whoever sends a long one, so any value
+//! is accepted and a long one is counted under its digest
+//! ([`crate::key::MAX_RAW_VALUE_BYTES`]). The message size itself is capped
+//! before decoding, by the servers.
 
 use crate::decision::{Descriptor, Request};
 use crate::proto::rls::RateLimitRequest;
@@ -12,7 +20,8 @@ use crate::proto::rls::RateLimitRequest;
 pub struct Bounds {
     pub max_descriptors: usize,
     pub max_entries: usize,
-    /// Bytes in a domain, key or value.
+    /// Bytes in a domain or an entry key (values are not bounded here: a
+    /// long one is counted under its digest).
     pub max_entry_bytes: usize,
 }
 
@@ -42,8 +51,8 @@ pub enum ValidationError {
     TooManyEntries(usize, usize, usize),
     #[error("descriptor {0} entry {1} has an empty key")]
     EmptyKey(usize, usize),
-    #[error("descriptor {0} entry {1}: {2} is {3} bytes, more than the limit of {4}")]
-    EntryTooLong(usize, usize, &'static str, usize, usize),
+    #[error("descriptor {0} entry {1}: key is {2} bytes, more than the limit of {3}")]
+    KeyTooLong(usize, usize, usize, usize),
     #[error("descriptor {0}: limit override has unit {1}; use SECOND, MINUTE, HOUR, DAY, WEEK, MONTH or YEAR")]
     BadOverrideUnit(usize, String),
 }
@@ -85,16 +94,13 @@ pub fn to_domain(req: RateLimitRequest, bounds: &Bounds) -> Result<Request, Vali
             if e.key.is_empty() {
                 return Err(ValidationError::EmptyKey(i, j));
             }
-            for (what, text) in [("key", &e.key), ("value", &e.value)] {
-                if text.len() > bounds.max_entry_bytes {
-                    return Err(ValidationError::EntryTooLong(
-                        i,
-                        j,
-                        what,
-                        text.len(),
-                        bounds.max_entry_bytes,
-                    ));
-                }
+            if e.key.len() > bounds.max_entry_bytes {
+                return Err(ValidationError::KeyTooLong(
+                    i,
+                    j,
+                    e.key.len(),
+                    bounds.max_entry_bytes,
+                ));
             }
             entries.push((e.key, e.value));
         }

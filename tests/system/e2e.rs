@@ -151,10 +151,6 @@ async fn bad_input_is_invalid_argument_and_charges_nothing() {
             "entry 1 has an empty key",
         ),
         (
-            request("e2e", vec![desc(&[("user", &long)])]),
-            "value is 4097 bytes",
-        ),
-        (
             request("e2e", vec![desc(&[(&long, "x")])]),
             "key is 4097 bytes",
         ),
@@ -199,14 +195,36 @@ async fn bad_input_is_invalid_argument_and_charges_nothing() {
         .expect("valid call")
         .into_inner();
     assert_eq!(resp.statuses[0].limit_remaining, 2);
-    // Exactly at the bound is fine; huge hits are OVER, not errors.
-    let at_bound = "v".repeat(4096);
-    let resp = client
-        .should_rate_limit(request("e2e", vec![desc(&[("user", &at_bound)])]))
-        .await
-        .expect("4 KiB value is valid")
-        .into_inner();
-    assert_eq!(resp.overall_code, Code::Ok as i32);
+    // Values are chosen by clients: a long one is counted (under its
+    // digest), never refused, or Envoy would fail open for its sender.
+    // Distinct long values stay distinct counters.
+    for value in ["v".repeat(4096), "x".repeat(4097), "y".repeat(60_000)] {
+        for want_remaining in [2, 1, 0] {
+            let resp = client
+                .should_rate_limit(request("e2e", vec![desc(&[("user", &value)])]))
+                .await
+                .expect("a long value is valid")
+                .into_inner();
+            assert_eq!(resp.overall_code, Code::Ok as i32);
+            assert_eq!(resp.statuses[0].limit_remaining, want_remaining);
+        }
+        let resp = client
+            .should_rate_limit(request("e2e", vec![desc(&[("user", &value)])]))
+            .await
+            .expect("a long value is valid")
+            .into_inner();
+        assert_eq!(
+            resp.overall_code,
+            Code::OverLimit as i32,
+            "{} bytes",
+            value.len()
+        );
+    }
+    // The message size is capped before decoding (default 256 KiB).
+    let big = request("e2e", vec![desc(&[("user", &"z".repeat(300_000))])]);
+    let status = client.should_rate_limit(big).await.expect_err("too large");
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    // Huge hits are OVER, not errors.
     let mut huge = request("e2e", vec![desc(&[("api", "k")])]);
     huge.hits_addend = u32::MAX;
     let resp = client
@@ -296,6 +314,21 @@ fn http_endpoints_and_json_api() {
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
         assert!(r.body.contains("error"), "{}", r.body);
     }
+    // A long value is counted, not refused; a body over max_request_bytes
+    // (256 KiB) is refused before it is decoded.
+    let long = format!(
+        r#"{{"domain":"e2e","descriptors":[{{"entries":[{{"key":"user","value":"{}"}}]}}]}}"#,
+        "u".repeat(60_000)
+    );
+    let r = http("POST", server.http, "/json", &[], &long).expect("post");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("\"limitRemaining\":2"), "{}", r.body);
+    let huge = format!(
+        r#"{{"domain":"e2e","descriptors":[{}]}}"#,
+        vec![r#"{"entries":[]}"#; 30_000].join(",")
+    );
+    let r = http("POST", server.http, "/json", &[], &huge).expect("post");
+    assert_eq!(r.status, 413, "{}", r.body);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -555,12 +588,19 @@ async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
     (port, task)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
+/// A real Envoy on free loopback ports, from the deployment template
+/// (`failure_mode_deny: false`, a descriptor from `x-user`, domain `edge`),
+/// calling leasehold at `grpc_port`, in front of [`start_upstream`].
+async fn start_envoy(
+    dir: &Path,
+    grpc_port: u16,
+) -> (
+    common::Proc,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+) {
     let envoy = require("envoy");
-    let dir = test_dir("envoy");
-    let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
-    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let (upstream_port, upstream) = start_upstream().await;
     let listen_port = free_port();
     let admin_port = free_port();
@@ -580,7 +620,7 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
             "RLS_ENDPOINTS",
             leasehold::ops::deploy::envoy_endpoints(&[leasehold::ops::deploy::Endpoint::new(
                 "127.0.0.1",
-                server.grpc.port(),
+                grpc_port,
             )]),
         ),
     ]);
@@ -591,9 +631,18 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     cmd.arg("-c")
         .arg(&config_path)
         .args(["--disable-hot-restart", "--log-level", "warn"]);
-    let envoy_proc = common::spawn("envoy", &mut cmd, &dir);
+    let envoy_proc = common::spawn("envoy", &mut cmd, dir);
     let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().expect("addr");
     let ingress: std::net::SocketAddr = format!("127.0.0.1:{listen_port}").parse().expect("addr");
+    (envoy_proc, admin, ingress, upstream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
+    let dir = test_dir("envoy");
+    let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port()).await;
     let results = tokio::task::spawn_blocking(move || {
         let up = wait_until(Duration::from_secs(30), || {
             get(admin, "/ready")
@@ -638,6 +687,59 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
         }
     }
     assert_eq!(plain.status, 200);
+}
+
+/// A header value is chosen by the client. An error for a long one would
+/// make Envoy (with `failure_mode_deny: false`, as most run it) let every
+/// such request through unlimited; it is counted instead, under its digest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_limits_a_client_with_an_oversize_header_value() {
+    let dir = test_dir("envoy-long");
+    let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
+    let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
+    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port()).await;
+    let results = tokio::task::spawn_blocking(move || {
+        let up = wait_until(Duration::from_secs(30), || {
+            get(admin, "/ready")
+                .map(|r| r.status == 200)
+                .unwrap_or(false)
+        });
+        assert!(up, "envoy did not become ready:\n{}", envoy_proc.log_text());
+        let mut statuses = Vec::new();
+        // 5,000 bytes (the size that got through before) and 50,000, under
+        // Envoy's own 60 KiB header limit; a second long user beside them.
+        for user in [
+            "a".repeat(5_000),
+            "b".repeat(50_000),
+            format!("{}c", "b".repeat(49_999)),
+        ] {
+            let mut row = Vec::new();
+            for _ in 0..5 {
+                let r = http("GET", ingress, "/hello", &[("x-user", &user)], "")
+                    .expect("request through envoy");
+                row.push(r.status);
+            }
+            statuses.push(row);
+        }
+        let stats = get(admin, "/stats").expect("envoy stats").body;
+        drop(envoy_proc);
+        (statuses, stats)
+    })
+    .await
+    .expect("join");
+    upstream.abort();
+    let (statuses, stats) = results;
+    for row in &statuses {
+        assert_eq!(row, &[200, 200, 200, 429, 429], "{statuses:?}");
+    }
+    let errors: Vec<&str> = stats
+        .lines()
+        .filter(|l| l.contains("ratelimit.error") || l.contains("failure_mode_allowed"))
+        .collect();
+    assert!(
+        errors.iter().all(|l| l.ends_with(": 0")),
+        "Envoy saw RLS errors: {errors:?}"
+    );
 }
 
 fn scrape(addr: std::net::SocketAddr) -> prometheus_parse::Scrape {
