@@ -22,7 +22,9 @@ FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /leasehold /usr/local/bin/leasehold
 COPY deploy/rules /etc/leasehold/rules
 USER nonroot:nonroot
-# 8081 gRPC (RateLimitService, health, reflection), 8080 HTTP (/metrics, /status, ...).
+# 8081 gRPC (RateLimitService, health, reflection), 8080 HTTP (/metrics,
+# /json, health). The admin pages (/status, /rules) stay on loopback unless
+# LEASEHOLD_ADMIN_ADDR says otherwise (compose sets 0.0.0.0:8082).
 EXPOSE 8081 8080
 ENV LEASEHOLD_GRPC_ADDR=0.0.0.0:8081 \
     LEASEHOLD_HTTP_ADDR=0.0.0.0:8080 \

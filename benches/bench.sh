@@ -43,14 +43,15 @@ start_redis() {
   until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
 }
 
-# start_leasehold NAME [extra args...]: sets GRPC_<NAME>, HTTP_<NAME>, PID_<NAME>
+# start_leasehold NAME [extra args...]: sets GRPC_<NAME>, HTTP_<NAME>,
+# ADMIN_<NAME> (/status), PID_<NAME>
 start_leasehold() {
   local name=$1; shift
-  local g h; g=$(free_port); h=$(free_port)
-  "$BIN" serve --rules "$WORK/rules.yaml" --grpc-addr "127.0.0.1:$g" --http-addr "127.0.0.1:$h" --log-level warn "$@" >"$WORK/$name.log" 2>&1 &
+  local g h a; g=$(free_port); h=$(free_port); a=$(free_port)
+  "$BIN" serve --rules "$WORK/rules.yaml" --grpc-addr "127.0.0.1:$g" --http-addr "127.0.0.1:$h" --admin-addr "127.0.0.1:$a" --log-level warn "$@" >"$WORK/$name.log" 2>&1 &
   local pid=$!; PIDS+=("$pid")
   until curl -sf "127.0.0.1:$h/readyz" >/dev/null 2>&1; do sleep 0.05; done
-  eval "GRPC_$name=$g HTTP_$name=$h PID_$name=$pid"
+  eval "GRPC_$name=$g HTTP_$name=$h ADMIN_$name=$a PID_$name=$pid"
 }
 
 bench() { # ADDR KEYS [DESCRIPTOR KEY] -> prints one JSON line
@@ -120,7 +121,7 @@ print("four replicas, one hot key, in aggregate: %.0f req/s  p50 %.2f ms  p99 %.
       % (rps, worst("p50_us"), worst("p99_us"), worst("p999_us"), sum(r["errors"] for r in runs),
          (after - before) * 1e6 / n, (after_calls - calls) * 1000 / n))
 PY
-  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
+  curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
   SHA=$(redis-cli -p "$REDIS_PORT" script load "$(cat src/redis/decide.lua)")
   # ARGV as src/redis/scripts.rs packs them: index, epoch, never_deny, margin,
   # call id, episode, peers, silent, 11 per charge, then the call's token.
@@ -148,13 +149,13 @@ outage)
   # (5 ms) is exceeded often enough that the replica lives on its lease.
   LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-5} start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
   echo "Redis up:      $(bench "$GRPC_red" 10000 | summary)"
-  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  decisions so far:", e["decisions"])'
+  curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  decisions so far:", e["decisions"])'
   kill -9 "$REDIS_PID"; sleep 0.5
   echo "Redis down:    $(bench "$GRPC_red" 10000 | summary)"
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" >>"$WORK/redis.log" 2>&1 & PIDS+=($!)
   until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
   echo "Recovery:      $(bench "$GRPC_red" 10000 | summary)"
-  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("breaker:", e["breaker"]["state"], "decisions:", e["decisions"], "replay:", e["replay"])'
+  curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("breaker:", e["breaker"]["state"], "decisions:", e["decisions"], "replay:", e["replay"])'
   REDIS_PID=$(pgrep -f "redis-server 127.0.0.1:$REDIS_PORT" | head -1)
   kill -9 "$REDIS_PID"; sleep 0.5
   for i in 1 2 3; do
@@ -164,7 +165,7 @@ outage)
   echo "RSS through an outage with 100,000 keys:"
   "$BIN" bench --addr "127.0.0.1:$GRPC_red" --domain bench --key key --keys 100000 --concurrency 64 --connections 4 --duration 15 --json >/dev/null
   echo "  replica VmRSS: $(awk '/VmRSS/ {print $2, $3}' /proc/$PID_red/status)"
-  curl -s "127.0.0.1:$HTTP_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
+  curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
   ;;
 *)
   echo "usage: $0 memory|redis|outage" >&2; exit 2;;

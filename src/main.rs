@@ -61,6 +61,11 @@ fn check(args: cli::CheckArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
+    // Before any startup work: a SIGTERM while rules load or Redis is
+    // first reached is held and acted on (an orderly stop once startup is
+    // done, bounded), instead of killing the process mid-way.
+    let mut stop = leasehold::app::Stop::new()
+        .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
     let settings = args.settings(std::env::vars())?;
     // Settings errors (an endpoint without a scheme, say) read as settings
     // errors, before logging or tracing is set up from them.
@@ -71,20 +76,19 @@ async fn serve(args: cli::ServeArgs) -> anyhow::Result<()> {
         settings.otlp_endpoint.as_deref(),
         &settings.otlp_service_name,
     )?;
+    for key in leasehold::settings::ignored_service_links(std::env::vars()) {
+        tracing::warn!(%key, "ignoring a Kubernetes service-link variable (not a setting)");
+    }
     let result = async {
         let prepared = leasehold::app::prepare(settings)?;
         let grpc = TcpListener::bind(prepared.settings.grpc_addr).await?;
         let http = TcpListener::bind(prepared.settings.http_addr).await?;
-        let admin = match prepared.settings.admin_addr {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("binding admin_addr {addr}: {e}"))?,
-            ),
-            None => None,
-        };
-        tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, "listening");
-        leasehold::app::run(prepared, grpc, http, admin, leasehold::app::stop_signal()).await
+        let addr = prepared.settings.admin_addr;
+        let admin = TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("binding admin_addr {addr}: {e}"))?;
+        tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, admin = %admin.local_addr()?, "listening");
+        leasehold::app::run(prepared, grpc, http, admin, async move { stop.wait().await }).await
     }
     .await;
     telemetry.shutdown().await;

@@ -31,6 +31,8 @@ pub struct Metrics {
     detailed: IntCounterVec,
     detailed_series: Mutex<HashSet<String>>,
     detailed_cap: usize,
+    /// Values in detailed labels are hashed (`redact_values`).
+    redact: bool,
     decision_seconds: HistogramVec,
     requests: IntCounterVec,
     reloads: IntCounterVec,
@@ -83,6 +85,19 @@ fn mirror(c: &IntCounter, to: u64) {
     if to > now {
         c.inc_by(to - now);
     }
+}
+
+/// Longest detailed label value, in bytes.
+pub const MAX_LABEL_BYTES: usize = 256;
+
+fn bound_label(label: &str) -> String {
+    use sha2::{Digest as _, Sha256};
+    let mut cut = MAX_LABEL_BYTES - 17;
+    while !label.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let digest = hex::encode(Sha256::digest(label.as_bytes()));
+    format!("{}~{}", &label[..cut], &digest[..16])
 }
 
 impl Metrics {
@@ -140,6 +155,7 @@ impl Metrics {
             detailed: counter_vec(&r, "leasehold_limit_decisions_total", "Decisions per limit for rules with detailed_metric (capped; see the overflow series).", &["domain", "limit", "outcome"])?,
             detailed_series: Mutex::new(HashSet::new()),
             detailed_cap,
+            redact: false,
             decision_seconds,
             requests: counter_vec(&r, "leasehold_requests_total", "ShouldRateLimit requests by result (ok, over_limit, invalid, error).", &["result"])?,
             reloads: counter_vec(&r, "leasehold_rules_reloads_total", "Rules loads by result (success, failure).", &["result"])?,
@@ -202,9 +218,33 @@ impl Metrics {
             .inc_by(n as u64);
     }
 
+    /// Detailed labels show each value as its short hash (`redact_values`).
+    pub fn with_redaction(mut self, redact: bool) -> Self {
+        self.redact = redact;
+        self
+    }
+
+    /// A request value as a detailed label shows it.
+    pub fn label_value(&self, value: &str) -> String {
+        if self.redact {
+            crate::redact::value(value)
+        } else {
+            value.to_owned()
+        }
+    }
+
     /// A decision of a rule with `detailed_metric`, labelled by its full
-    /// key with the request's values, up to the cap.
+    /// key with the request's values (each through [`Metrics::label_value`]),
+    /// up to the cap; a label over [`MAX_LABEL_BYTES`] keeps its start and
+    /// ends in a hash of the whole, so distinct ones stay distinct.
     pub fn detailed(&self, domain: &str, limit: &str, outcome: &str) {
+        let bounded;
+        let limit = if limit.len() > MAX_LABEL_BYTES {
+            bounded = bound_label(limit);
+            bounded.as_str()
+        } else {
+            limit
+        };
         let label = {
             let mut seen = self.detailed_series.lock();
             if seen.contains(limit) || seen.len() < self.detailed_cap {
@@ -276,5 +316,40 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detailed_labels_are_bounded_distinct_and_redactable() {
+        let m = Metrics::new(10).expect("metrics");
+        let a = format!("edge.user_{}", "é".repeat(400));
+        let b = format!("edge.user_{}x", "é".repeat(400));
+        m.detailed("edge", &a, "ok");
+        m.detailed("edge", &b, "ok");
+        let text = m.registry.gather();
+        let labels: Vec<String> = text
+            .iter()
+            .filter(|f| f.name() == "leasehold_limit_decisions_total")
+            .flat_map(|f| f.get_metric().iter())
+            .filter_map(|s| {
+                s.get_label()
+                    .iter()
+                    .find(|l| l.name() == "limit")
+                    .map(|l| l.value().to_owned())
+            })
+            .collect();
+        assert_eq!(labels.len(), 2, "{labels:?}");
+        assert_ne!(labels[0], labels[1]);
+        assert!(
+            labels.iter().all(|l| l.len() <= MAX_LABEL_BYTES),
+            "{labels:?}"
+        );
+        let hidden = Metrics::new(10).expect("metrics").with_redaction(true);
+        assert_eq!(hidden.label_value("secret"), crate::redact::value("secret"));
+        assert_eq!(m.label_value("secret"), "secret");
     }
 }

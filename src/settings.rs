@@ -43,10 +43,29 @@ pub struct Settings {
     /// Largest gRPC message and `POST /json` body, in bytes, refused before
     /// it is decoded (gRPC OUT_OF_RANGE, HTTP 413).
     pub max_request_bytes: usize,
+    /// Most HTTP connections open at once, per HTTP listener; past it a new
+    /// connection is closed at once.
+    pub http_max_connections: usize,
+    /// How long an HTTP request's headers may take to arrive, and how long
+    /// a keep-alive connection may sit idle, in milliseconds.
+    pub http_header_timeout_ms: u64,
+    /// Most concurrent gRPC calls on one connection (HTTP/2 streams).
+    pub grpc_max_concurrent_streams: u32,
+    /// Answer refunds (`is_negative_hits`) and request limit overrides on
+    /// `POST /json`; off, they get 403. The HTTP port is often reachable by
+    /// more than Envoy, and either lets a caller rewrite counts.
+    pub json_allow_adjustments: bool,
+    /// The same on the gRPC port (on by default: Envoy sends them when its
+    /// configuration asks for them); off, PERMISSION_DENIED.
+    pub grpc_allow_adjustments: bool,
     /// How long in-flight calls may take to finish after SIGTERM, in milliseconds.
     pub shutdown_grace_ms: u64,
     /// How long to report NOT_SERVING before closing listeners, so balancers
-    /// stop sending new calls first, in milliseconds.
+    /// stop sending new calls first, in milliseconds. It must cover the
+    /// health checker's detection time: interval × unhealthy threshold plus
+    /// one check timeout (Envoy in this repository's template: 1 s × 1 +
+    /// 1 s = 2 s; a Kubernetes readiness probe: periodSeconds ×
+    /// failureThreshold).
     pub shutdown_delay_ms: u64,
     /// How often expired in-memory counters are dropped, in milliseconds.
     pub sweep_interval_ms: u64,
@@ -108,9 +127,10 @@ pub struct Settings {
     pub log_level: String,
     /// "text" or "json".
     pub log_format: String,
-    /// Serve /status, /status.html and /rules (which show descriptor values)
-    /// only on this address instead of `http_addr`. Unset: on `http_addr`.
-    pub admin_addr: Option<SocketAddr>,
+    /// The admin listener: /status, /status.html and /rules, which show
+    /// descriptor values (often API keys or user ids), are served only
+    /// here. Loopback by default: exposing them is a deliberate setting.
+    pub admin_addr: SocketAddr,
     /// Replace descriptor values on /status, /status.html and /rules by a
     /// short hash (values are often API keys or user ids).
     pub redact_values: bool,
@@ -143,8 +163,13 @@ impl Default for Settings {
             max_entries: b.max_entries,
             max_entry_bytes: b.max_entry_bytes,
             max_request_bytes: 256 * 1024,
+            http_max_connections: 1024,
+            http_header_timeout_ms: 30_000,
+            grpc_max_concurrent_streams: 1024,
+            json_allow_adjustments: false,
+            grpc_allow_adjustments: true,
             shutdown_grace_ms: 10_000,
-            shutdown_delay_ms: 0,
+            shutdown_delay_ms: 3_000,
             sweep_interval_ms: 5_000,
             redis_url: None,
             redis_prefix: "lh:".into(),
@@ -168,7 +193,7 @@ impl Default for Settings {
             metrics_detailed_max_series: 1_000,
             log_level: "info".into(),
             log_format: "text".into(),
-            admin_addr: None,
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 8082)),
             redact_values: false,
             otlp_endpoint: None,
             otlp_service_name: "leasehold".into(),
@@ -192,15 +217,38 @@ fn invalid(key: &'static str, why: impl Into<String>) -> SettingsError {
     }
 }
 
-/// Kubernetes gives every pod of a namespace with a Service named
-/// `leasehold` the variables `LEASEHOLD_SERVICE_HOST`,
-/// `LEASEHOLD_SERVICE_PORT[_<name>]` and `LEASEHOLD_PORT[_<port>_<proto>…]`:
-/// they are not settings, and refusing them would crash-loop every pod.
-fn is_service_link(key: &str) -> bool {
-    key == "LEASEHOLD_SERVICE_HOST"
-        || key.starts_with("LEASEHOLD_SERVICE_PORT")
-        || key == "LEASEHOLD_PORT"
-        || key.starts_with("LEASEHOLD_PORT_")
+/// Kubernetes gives every pod of a namespace, for each Service, the
+/// variables `<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT[_<port name>]`,
+/// `<NAME>_PORT` and `<NAME>_PORT_<port>_<TCP|UDP|SCTP>[_PROTO|_PORT|_ADDR]`.
+/// For Services named `leasehold`, `leasehold-redis` and the like they
+/// start with `LEASEHOLD_`; they are not settings, and refusing them would
+/// crash-loop every pod. No setting's name ends in `_PORT` or contains
+/// `_SERVICE_HOST` or `_SERVICE_PORT`, so none is taken for one.
+pub fn is_service_link(key: &str) -> bool {
+    if key.ends_with("_SERVICE_HOST") || key.contains("_SERVICE_PORT") || key.ends_with("_PORT") {
+        return true;
+    }
+    // `…_PORT_8081_TCP…`: a port number, then a protocol.
+    key.match_indices("_PORT_").any(|(at, _)| {
+        let mut rest = key[at + "_PORT_".len()..].split('_');
+        let port = rest.next().unwrap_or_default();
+        let proto = rest.next().unwrap_or_default();
+        !port.is_empty()
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && matches!(proto, "TCP" | "UDP" | "SCTP")
+    })
+}
+
+/// The `LEASEHOLD_*` variables of `env` that are ignored as Kubernetes
+/// service links, for a warning once logging is up.
+pub fn ignored_service_links(env: impl IntoIterator<Item = (String, String)>) -> Vec<String> {
+    let mut keys: Vec<String> = env
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.starts_with("LEASEHOLD_") && is_service_link(k))
+        .collect();
+    keys.sort();
+    keys
 }
 
 impl Settings {
@@ -262,6 +310,18 @@ impl Settings {
             ("max_descriptors", self.max_descriptors),
             ("max_entries", self.max_entries),
             ("max_entry_bytes", self.max_entry_bytes),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        for (key, v) in [
+            ("http_max_connections", self.http_max_connections as u64),
+            ("http_header_timeout_ms", self.http_header_timeout_ms),
+            (
+                "grpc_max_concurrent_streams",
+                u64::from(self.grpc_max_concurrent_streams),
+            ),
         ] {
             if v == 0 {
                 return Err(invalid(key, "must be greater than 0"));
@@ -372,13 +432,12 @@ impl Settings {
         if self.grpc_addr == self.http_addr && self.grpc_addr.port() != 0 {
             return Err(invalid("http_addr", "must differ from grpc_addr"));
         }
-        if let Some(admin) = self.admin_addr {
-            if admin.port() != 0 && (admin == self.http_addr || admin == self.grpc_addr) {
-                return Err(invalid(
-                    "admin_addr",
-                    "must differ from http_addr and grpc_addr",
-                ));
-            }
+        let admin = self.admin_addr;
+        if admin.port() != 0 && (admin == self.http_addr || admin == self.grpc_addr) {
+            return Err(invalid(
+                "admin_addr",
+                "must differ from http_addr and grpc_addr",
+            ));
         }
         if let Some(e) = &self.otlp_endpoint {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
@@ -482,6 +541,11 @@ mod tests {
             ("LEASEHOLD_PORT_8081_TCP_PROTO", "tcp"),
             ("LEASEHOLD_PORT_8081_TCP_PORT", "8081"),
             ("LEASEHOLD_PORT_8081_TCP_ADDR", "10.0.0.7"),
+            ("LEASEHOLD_REDIS_SERVICE_HOST", "10.0.0.8"),
+            ("LEASEHOLD_REDIS_SERVICE_PORT_REDIS", "6379"),
+            ("LEASEHOLD_REDIS_PORT", "tcp://10.0.0.8:6379"),
+            ("LEASEHOLD_REDIS_PORT_6379_TCP_PROTO", "tcp"),
+            ("LEASEHOLD_ADMIN_PORT_9090_UDP", "udp://10.0.0.9:9090"),
             ("LEASEHOLD_REPLICA_ID", "007"),
             ("LEASEHOLD_REDIS_POOL_SIZE", "8"),
             ("LEASEHOLD_LEASE_MIN_SHARE", "0.05"),
@@ -495,11 +559,25 @@ mod tests {
         assert_eq!(s.lease_min_share, 0.05);
         assert!(s.shadow_mode);
         assert_eq!(s.rules, vec![PathBuf::from("a.yaml"), PathBuf::from("b")]);
+        let ignored =
+            ignored_service_links(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        assert_eq!(ignored.len(), 13, "{ignored:?}");
+        assert!(!ignored.iter().any(|k| k == "LEASEHOLD_REPLICA_ID"));
         let typo = vec![("LEASEHOLD_REDIS_POOL".to_string(), "8".to_string())];
         let e = Settings::load(None, typo).expect_err("an unknown setting");
         assert!(e.to_string().contains("redis_pool"), "{e}");
         let bad = vec![("LEASEHOLD_REDIS_POOL_SIZE".to_string(), "many".to_string())];
         assert!(Settings::load(None, bad).is_err(), "not a number");
+    }
+
+    #[test]
+    fn defaults_keep_values_and_adjustments_private() {
+        let s = Settings::default();
+        assert!(s.admin_addr.ip().is_loopback(), "{}", s.admin_addr);
+        assert!(!s.json_allow_adjustments);
+        assert!(s.grpc_allow_adjustments, "Envoy's own refunds work");
+        assert!(s.max_request_bytes >= 4 * 60 * 1024);
+        assert!(s.http_header_timeout_ms <= 30_000, "slow headers end");
     }
 
     #[test]

@@ -19,6 +19,8 @@ use crate::redis::membership::Membership;
 use crate::redis::{Redis, RedisConfig};
 use crate::settings::Settings;
 
+use super::supervise::{supervised, Outcome};
+
 /// The engine decisions go to, and the Redis connection to close last.
 pub(super) struct Built {
     pub engine: Arc<dyn Engine>,
@@ -30,23 +32,50 @@ pub(super) struct Built {
 /// The resilient engine's loop and the membership heartbeat, each with its
 /// own stop: the engine's last round (replay, journal) runs after the
 /// servers have drained and before this replica leaves the member set.
+/// Both are supervised: a handle is taken once its task has ended.
 pub(super) struct RedisLoops {
     engine_stop: watch::Sender<bool>,
-    engine: JoinHandle<()>,
+    engine: Option<JoinHandle<Outcome>>,
     members_stop: watch::Sender<bool>,
-    members: JoinHandle<()>,
+    members: Option<JoinHandle<Outcome>>,
 }
 
 impl RedisLoops {
+    /// Resolves when either loop ends (before the stop signal, a failure).
+    pub async fn ended(&mut self) -> Outcome {
+        let RedisLoops {
+            engine, members, ..
+        } = self;
+        tokio::select! {
+            r = wait(engine) => r,
+            r = wait(members) => r,
+        }
+    }
+
     pub async fn stop(self) {
         let _ = self.engine_stop.send(true);
         let limit = Duration::from_millis(FINAL_REPLAY_MS + 2_000);
-        if tokio::time::timeout(limit, self.engine).await.is_err() {
-            tracing::warn!("the engine's last round did not finish in time");
+        if let Some(engine) = self.engine {
+            if tokio::time::timeout(limit, engine).await.is_err() {
+                tracing::warn!("the engine's last round did not finish in time");
+            }
         }
         let _ = self.members_stop.send(true);
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.members).await;
+        if let Some(members) = self.members {
+            let _ = tokio::time::timeout(Duration::from_secs(2), members).await;
+        }
     }
+}
+
+/// A supervised task's end; the slot is emptied so it is never awaited
+/// twice. Pending forever for an empty slot.
+async fn wait(slot: &mut Option<JoinHandle<Outcome>>) -> Outcome {
+    let Some(handle) = slot.as_mut() else {
+        return std::future::pending().await;
+    };
+    let result = handle.await;
+    *slot = None;
+    result.unwrap_or_else(|e| ("redis loop", Err(e.to_string())))
 }
 
 pub(super) async fn build(
@@ -66,7 +95,10 @@ pub(super) async fn build(
     let boot = format!("{:x}", clock.now_ms());
     let (redis_engine, redis) = redis_engine(settings, url, replica_id, boot).await?;
     let (members_stop, members_rx) = watch::channel(false);
-    let members = tokio::spawn(redis_engine.membership().clone().run(members_rx));
+    let members = tokio::spawn(supervised(
+        "membership heartbeat",
+        redis_engine.membership().clone().run(members_rx),
+    ));
     let journal = match &settings.journal_dir {
         Some(dir) => Some(
             Journal::open(dir, replica_id)
@@ -82,15 +114,15 @@ pub(super) async fn build(
     ));
     resilient.set_redis_call_histogram(metrics.redis_call_histogram());
     let (engine_stop, engine_rx) = watch::channel(false);
-    let engine = tokio::spawn(resilient.clone().run(engine_rx));
+    let engine = tokio::spawn(supervised("engine loop", resilient.clone().run(engine_rx)));
     Ok(Built {
         engine: resilient,
         redis: Some(redis),
         loops: Some(RedisLoops {
             engine_stop,
-            engine,
+            engine: Some(engine),
             members_stop,
-            members,
+            members: Some(members),
         }),
     })
 }

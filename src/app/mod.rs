@@ -10,6 +10,7 @@ mod loops;
 mod serve;
 mod shutdown;
 pub mod signals;
+mod supervise;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -52,7 +53,7 @@ pub async fn run(
     prepared: Prepared,
     grpc_listener: TcpListener,
     http_listener: TcpListener,
-    admin_listener: Option<TcpListener>,
+    admin_listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let Prepared { settings, rules } = prepared;
@@ -66,7 +67,9 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
     let metrics = Arc::new(
-        Metrics::new(settings.metrics_detailed_max_series).context("registering metrics")?,
+        Metrics::new(settings.metrics_detailed_max_series)
+            .context("registering metrics")?
+            .with_redaction(settings.redact_values),
     );
     let memory = Arc::new(MemoryEngine::new(Arc::new(SystemClock)));
     let built = engine::build(&settings, &replica_id, memory.clone(), &metrics).await?;
@@ -86,24 +89,31 @@ pub async fn run(
     );
     let health = Arc::new(Health::default());
     health.set_rules_loaded();
-    tasks.spawn(loops::reload(
-        settings.clone(),
-        handle,
-        engine,
-        reload.clone(),
-        metrics,
-        stop_rx.clone(),
+    tasks.spawn(supervise::supervised(
+        "rules reload",
+        loops::reload(
+            settings.clone(),
+            handle,
+            engine,
+            reload.clone(),
+            metrics,
+            stop_rx.clone(),
+        ),
     ));
-    tasks.spawn(loops::sweep(
-        memory,
-        Duration::from_millis(settings.sweep_interval_ms),
-        stop_rx.clone(),
+    tasks.spawn(supervise::supervised(
+        "expiry sweep",
+        loops::sweep(
+            memory,
+            Duration::from_millis(settings.sweep_interval_ms),
+            stop_rx.clone(),
+        ),
     ));
 
     let state = HttpState {
         limiter: limiter.clone(),
         bounds: settings.bounds(),
         max_body_bytes: settings.max_request_bytes,
+        allow_adjustments: settings.json_allow_adjustments,
         health: health.clone(),
         reload,
         replica_id,
@@ -115,19 +125,39 @@ pub async fn run(
         admin: admin_listener,
     };
     let mut servers = serve::start(&settings, limiter, state, listeners, &stop_rx).await?;
-    tokio::select! {
-        () = shutdown => {}
+    let mut redis_loops = built.loops;
+    // Every task is watched: one that ends (or panics) before the stop
+    // signal leaves the replica unable to keep its promises, so it stops
+    // in order and exits non-zero.
+    let failure = tokio::select! {
+        () = shutdown => None,
         r = &mut servers.grpc => anyhow::bail!("gRPC server stopped unexpectedly: {r:?}"),
         r = &mut servers.http => anyhow::bail!("HTTP server stopped unexpectedly: {r:?}"),
         r = &mut servers.admin => anyhow::bail!("admin HTTP server stopped unexpectedly: {r:?}"),
+        Some(r) = tasks.join_next() => Some(match r {
+            Ok(outcome) => supervise::describe(&outcome),
+            Err(e) => format!("a background task failed: {e}"),
+        }),
+        outcome = async {
+            match redis_loops.as_mut() {
+                Some(loops) => loops.ended().await,
+                None => std::future::pending().await,
+            }
+        } => Some(supervise::describe(&outcome)),
+    };
+    if let Some(failure) = &failure {
+        tracing::error!(%failure, "stopping: reporting NOT_SERVING, then exiting non-zero");
     }
     let background = shutdown::Background {
         tasks,
-        redis_loops: built.loops,
+        redis_loops,
         redis: built.redis,
     };
     shutdown::in_order(&settings, servers, &health, stop_tx, background).await;
-    Ok(())
+    match failure {
+        Some(failure) => anyhow::bail!("{failure}"),
+        None => Ok(()),
+    }
 }
 
 fn hostname() -> String {

@@ -1,12 +1,13 @@
 //! The listeners: gRPC (RLS, grpc.health.v1, reflection v1 and v1alpha) and
-//! HTTP (public endpoints, and the admin pages on the main listener or their
-//! own), every accepted socket with TCP_NODELAY, each server a task that
-//! stops accepting on the stop signal and then drains.
+//! HTTP (public endpoints on the main listener, the admin pages on their
+//! own, both bounded by [`crate::http::listener`]), every accepted socket
+//! with TCP_NODELAY, each server a task that stops accepting on the stop
+//! signal and then drains.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -40,7 +41,7 @@ impl Servers {
 pub(super) struct Listeners {
     pub grpc: TcpListener,
     pub http: TcpListener,
-    pub admin: Option<TcpListener>,
+    pub admin: TcpListener,
 }
 
 pub(super) async fn start(
@@ -70,7 +71,15 @@ pub(super) async fn start(
     if settings.replica_response_header {
         rls = rls.with_replica_http_header(&state.replica_id);
     }
+    if !settings.grpc_allow_adjustments {
+        rls = rls.refusing_adjustments();
+    }
+    // Envoy multiplexes many calls over few connections, so the stream
+    // limit is generous; keepalive pings end connections whose peer is gone.
     let grpc = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(settings.grpc_max_concurrent_streams))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -80,39 +89,28 @@ pub(super) async fn start(
         )
         .serve_with_incoming_shutdown(accept_nodelay(listeners.grpc), stopped(stop.clone()));
 
-    // With an admin listener, the pages that show descriptor values move
-    // there; the main listener keeps health, metrics and /json.
-    let (router, admin) = match listeners.admin {
-        Some(listener) => {
-            tracing::info!(admin = %listener.local_addr()?, "admin pages on their own listener");
-            (
-                http::public_router(state.clone()),
-                Some((listener, http::admin_router(state))),
-            )
-        }
-        None => (http::router(state), None),
+    // The pages that show descriptor values live on the admin listener
+    // only; the main listener keeps health, metrics and /json.
+    let limits = http::listener::Limits {
+        max_connections: settings.http_max_connections,
+        header_timeout: Duration::from_millis(settings.http_header_timeout_ms),
     };
-    let http = axum::serve(listeners.http.tap_io(set_nodelay), router)
-        .with_graceful_shutdown(stopped(stop.clone()));
-    let admin_stop = stopped(stop.clone());
-    let admin = tokio::spawn(async move {
-        match admin {
-            Some((listener, router)) => {
-                axum::serve(listener.tap_io(set_nodelay), router)
-                    .with_graceful_shutdown(admin_stop)
-                    .await
-            }
-            // No admin listener: a task that ends only at shutdown.
-            None => {
-                admin_stop.await;
-                Ok(())
-            }
-        }
-    });
+    let http = http::listener::serve(
+        listeners.http,
+        http::public_router(state.clone()),
+        limits,
+        stop.clone(),
+    );
+    let admin = http::listener::serve(
+        listeners.admin,
+        http::admin_router(state),
+        limits,
+        stop.clone(),
+    );
     Ok(Servers {
         grpc: tokio::spawn(grpc),
-        http: tokio::spawn(async move { http.await }),
-        admin,
+        http: tokio::spawn(http),
+        admin: tokio::spawn(admin),
         health,
     })
 }
@@ -122,15 +120,12 @@ pub(super) async fn start(
 /// one waits for the client's delayed ACK, 40 ms on Linux, which is longer
 /// than Envoy's default RLS timeout. Serving a bound listener bypasses
 /// tonic's own default, so it is set here.
+/// TCP keepalive finds peers that vanished without a FIN (a crashed host, a
+/// dropped NAT entry) on connections no HTTP/2 ping is sent on.
 fn accept_nodelay(listener: TcpListener) -> TcpIncoming {
-    TcpIncoming::from(listener).with_nodelay(Some(true))
-}
-
-/// The same for HTTP connections (`/json` answers decisions too).
-fn set_nodelay(stream: &mut tokio::net::TcpStream) {
-    if let Err(e) = stream.set_nodelay(true) {
-        tracing::debug!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
-    }
+    TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(60)))
 }
 
 pub(super) async fn stopped(mut rx: watch::Receiver<bool>) {

@@ -22,7 +22,7 @@ use super::serve::Servers;
 /// What runs behind the servers, stopped after them.
 pub(super) struct Background {
     /// Rules reload and the expiry sweep (they stop with the servers).
-    pub tasks: JoinSet<()>,
+    pub tasks: JoinSet<super::supervise::Outcome>,
     pub redis_loops: Option<RedisLoops>,
     pub redis: Option<Arc<Redis>>,
 }

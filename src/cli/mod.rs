@@ -76,7 +76,7 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
-    /// Serve /status, /status.html and /rules only on this address.
+    /// The admin listener (/status, /status.html, /rules) [default: 127.0.0.1:8082].
     #[arg(long, value_name = "ADDR")]
     pub admin_addr: Option<SocketAddr>,
     /// Redact descriptor values on /status, /status.html and /rules.
@@ -119,7 +119,7 @@ impl ServeArgs {
             s.log_format = f.clone();
         }
         if let Some(a) = self.admin_addr {
-            s.admin_addr = Some(a);
+            s.admin_addr = a;
         }
         s.redact_values |= self.redact_values;
         if let Some(e) = &self.otlp_endpoint {

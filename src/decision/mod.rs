@@ -142,7 +142,7 @@ fn record(m: &Metrics, req: &Request, d: &Decision, detailed: &[bool], seconds: 
                 label.push('.');
                 label.push_str(k);
                 label.push('_');
-                label.push_str(v);
+                label.push_str(&m.label_value(v));
             }
             m.detailed(&req.domain, &label, outcome);
         }

@@ -3,7 +3,8 @@
 //! reflection (v1 and v1alpha). The only server module that knows tonic
 //! types besides the composition root.
 //!
-//! Status codes: bad input is INVALID_ARGUMENT with a message. An engine
+//! Status codes: bad input is INVALID_ARGUMENT with a message; a refund or
+//! limit override with `grpc_allow_adjustments` off is PERMISSION_DENIED. An engine
 //! failure is UNAVAILABLE; with Envoy's `failure_mode_deny: false` (its
 //! default) the request is let through, with `true` it is denied. The
 //! resilient engine decides locally instead of failing, so in normal
@@ -40,6 +41,9 @@ pub struct RlsService {
     replica: Option<MetadataValue<Ascii>>,
     /// Also ask Envoy to add the replica id to the HTTP response.
     replica_http_header: Option<String>,
+    /// Refunds and limit overrides are answered, not refused
+    /// (`grpc_allow_adjustments`).
+    allow_adjustments: bool,
 }
 
 impl RlsService {
@@ -49,6 +53,7 @@ impl RlsService {
             bounds,
             replica: None,
             replica_http_header: None,
+            allow_adjustments: true,
         }
     }
 
@@ -64,6 +69,13 @@ impl RlsService {
     /// `replica_response_header`).
     pub fn with_replica_http_header(mut self, id: &str) -> Self {
         self.replica_http_header = Some(id.to_string());
+        self
+    }
+
+    /// Refuses refunds and limit overrides with PERMISSION_DENIED (setting
+    /// `grpc_allow_adjustments = false`).
+    pub fn refusing_adjustments(mut self) -> Self {
+        self.allow_adjustments = false;
         self
     }
 
@@ -120,6 +132,13 @@ impl RlsService {
             }
             Status::invalid_argument(e.to_string())
         })?;
+        if !self.allow_adjustments {
+            if let Some(what) = rls::adjustment(&req) {
+                return Err(Status::permission_denied(format!(
+                    "{what}: refunds and limit overrides are refused on this port (grpc_allow_adjustments)"
+                )));
+            }
+        }
         let decision = self
             .limiter
             .decide(&req)

@@ -1,6 +1,8 @@
 //! POST /json, the reference's JSON form of ShouldRateLimit: 200 when OK,
-//! 429 when over the limit, 400 with a message on bad input, 503 when the
-//! engine cannot decide. The protojson forms are [`crate::rls::json`]'s.
+//! 429 when over the limit, 400 with a message on bad input, 403 for a
+//! refund or a limit override unless `json_allow_adjustments` is set (the
+//! HTTP port is often reachable by more than Envoy), 413 for a body over
+//! `max_request_bytes`, 503 when the engine cannot decide. The protojson forms are [`crate::rls::json`]'s.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -31,6 +33,14 @@ pub(super) async fn decide(State(s): State<HttpState>, body: axum::body::Bytes) 
             return bad_request(e.to_string());
         }
     };
+    if !s.allow_adjustments {
+        if let Some(what) = rls::adjustment(&req) {
+            let message = format!(
+                "{what}: refunds and limit overrides are refused on /json unless json_allow_adjustments is set"
+            );
+            return (StatusCode::FORBIDDEN, Json(json!({ "error": message }))).into_response();
+        }
+    }
     match s.limiter.decide(&req).await {
         Ok(decision) => {
             let code = if decision.overall == Code::OverLimit {

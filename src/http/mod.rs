@@ -1,12 +1,14 @@
 //! The HTTP surface, one file per job: liveness and readiness
 //! ([`health`]), POST /json ([`json`]), /metrics (here), and the admin pages
 //! that show descriptor values ([`admin`]: /rules, /status, and
-//! [`status_page`]'s /status.html). The admin pages can live on their own
-//! listener (`admin_addr`) and redact values (`redact_values`).
+//! [`status_page`]'s /status.html). The admin pages live on their own
+//! listener (`admin_addr`, loopback by default) and can redact values
+//! (`redact_values`).
 
 mod admin;
 mod health;
 mod json;
+pub mod listener;
 mod status_page;
 
 use std::sync::Arc;
@@ -29,16 +31,13 @@ pub struct HttpState {
     pub bounds: Bounds,
     /// Largest `POST /json` body; larger ones get 413 before they are read.
     pub max_body_bytes: usize,
+    /// Answer refunds and limit overrides on `/json` (`json_allow_adjustments`).
+    pub allow_adjustments: bool,
     pub health: Arc<Health>,
     pub reload: Arc<ReloadStatus>,
     pub replica_id: Arc<str>,
     /// Hide descriptor values on the admin pages.
     pub redact: bool,
-}
-
-/// Every endpoint on one listener.
-pub fn router(state: HttpState) -> Router {
-    public_router(state.clone()).merge(admin_pages(state))
 }
 
 /// What load balancers, Prometheus and callers use.

@@ -225,6 +225,20 @@ fn sliding(c: &Charge, window_start_ms: u64, current: u64, previous: u64) -> (Ou
     )
 }
 
+/// Most hits one sliding_log charge may carry: Redis keeps one sorted-set
+/// member per hit, so a larger charge would block Redis for every replica
+/// (1,000,000 hits: about a second). A larger charge is OVER_LIMIT and
+/// charges nothing; a larger refund refunds this many. Both engines apply
+/// it, so a decision never depends on the path. Weighted charges belong
+/// on sliding_window.
+pub const LOG_MAX_HITS_PER_CALL: u64 = 10_000;
+
+/// The log keeps at most about this many entries per key: grants closer
+/// together than unit / this are merged into one entry stamped with the
+/// latest of them, so each is released at most that much late (never
+/// early: the log never admits more than an exact one).
+const LOG_MAX_ENTRIES: u64 = 10_000;
+
 fn log(c: &Charge, entries: &VecDeque<(u64, u64)>) -> (Outcome, State) {
     let Charge {
         limit,
@@ -233,6 +247,13 @@ fn log(c: &Charge, entries: &VecDeque<(u64, u64)>) -> (Outcome, State) {
         hits,
         refund,
     } = *c;
+    let hits = if refund {
+        hits.min(LOG_MAX_HITS_PER_CALL)
+    } else {
+        hits
+    };
+    let too_big = !refund && hits > LOG_MAX_HITS_PER_CALL;
+    let granule = (unit_ms / LOG_MAX_ENTRIES).max(1);
     let horizon = now_ms.saturating_sub(unit_ms);
     let mut entries: VecDeque<(u64, u64)> = entries
         .iter()
@@ -260,16 +281,19 @@ fn log(c: &Charge, entries: &VecDeque<(u64, u64)>) -> (Outcome, State) {
         }
     } else {
         after = count.saturating_add(hits);
-        if hits > 0 {
+        if hits > 0 && !too_big {
             match entries.back_mut() {
-                // Same millisecond: coalesce so the log grows with
-                // time, not with traffic.
-                Some(last) if last.0 == now_ms => last.1 = last.1.saturating_add(hits),
+                // Within one granule: coalesce (stamped with the later
+                // time) so the log grows with time, not with traffic.
+                Some(last) if now_ms.saturating_sub(last.0) < granule => {
+                    last.0 = last.0.max(now_ms);
+                    last.1 = last.1.saturating_add(hits);
+                }
                 _ => entries.push_back((now_ms, hits)),
             }
         }
     }
-    let over = !refund && after > limit;
+    let over = !refund && (after > limit || too_big);
     let oldest = entries.front().map(|&(at, _)| at).unwrap_or(now_ms);
     let newest = entries.back().map(|&(at, _)| at).unwrap_or(now_ms);
     (

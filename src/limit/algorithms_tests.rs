@@ -154,3 +154,28 @@ fn zero_limit_bans_every_algorithm() {
         assert!(o.over, "{a}");
     }
 }
+
+#[test]
+fn sliding_log_stays_compact_and_never_releases_early() {
+    let s = spec(Algorithm::SlidingLog, 1_000_000, Unit::Hour);
+    let mut st = State::fresh(&s, T0);
+    // A grant every millisecond for 100 s: merged per 360 ms granule.
+    for t in 0..100_000 {
+        charge(&s, &mut st, T0 + t, 1);
+    }
+    match &st {
+        State::Log { entries } => assert!(entries.len() <= 100_000 / 360 + 1, "{}", entries.len()),
+        other => panic!("unexpected {other:?}"),
+    }
+    // Merged grants are stamped with the latest of them: released late,
+    // never early.
+    let s = spec(Algorithm::SlidingLog, 2, Unit::Hour);
+    let mut st = State::fresh(&s, T0);
+    charge(&s, &mut st, T0, 1);
+    charge(&s, &mut st, T0 + 300, 1);
+    assert!(
+        charge(&s, &mut st, T0 + 3_600_001, 1).over,
+        "not released early"
+    );
+    assert!(!charge(&s, &mut st, T0 + 3_600_301, 1).over);
+}

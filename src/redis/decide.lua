@@ -278,16 +278,21 @@ local function decide(KEYS, ARGV, now)
       end
       local count = st.count
       local after
+      -- One member per hit: a charge of more than 10000 hits (the
+      -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
+      -- refund takes at most that many.
       if refund then
-        local k = math.min(hits, count)
+        local k = math.min(hits, count, 10000)
         after = count - k
         if k > 0 then writes[#writes + 1] = {'zpop', base, k} end
         r.delta = -k
       else
         after = count + hits
-        if after > limit then r.over = 1 end
+        local too_big = hits > 10000
+        if after > limit or too_big then r.over = 1 end
         -- Past the limit (shadow) the log saturates at limit + 1 members.
         local m = math.min(hits, math.max(0, limit + 1 - count))
+        if too_big then m = 0 end
         if m > 0 then
           writes[#writes + 1] = {'zadd', base, m, i, now + unit + margin}
         end

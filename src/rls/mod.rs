@@ -18,7 +18,7 @@ use crate::proto::rls::rate_limit_response::{
 };
 use crate::proto::rls::RateLimitResponse;
 
-pub use validate::{to_domain, Bounds};
+pub use validate::{adjustment, to_domain, Bounds};
 
 /// A unit number as requests carry it (`envoy.type.v3.RateLimitUnit`);
 /// `None` for UNKNOWN and undefined numbers.

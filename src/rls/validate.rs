@@ -130,3 +130,20 @@ pub fn to_domain(req: RateLimitRequest, bounds: &Bounds) -> Result<Request, Vali
         hits_addend: req.hits_addend,
     })
 }
+
+/// The first thing a request asks beyond charging hits: a refund
+/// (`is_negative_hits`) or a request `limit` override. Either lets a caller
+/// rewrite counts (reset its own counter, or give a key a limit of its
+/// choosing), so each listener refuses them unless its setting allows
+/// them; `None` for a plain charge.
+pub fn adjustment(req: &Request) -> Option<String> {
+    req.descriptors.iter().enumerate().find_map(|(i, d)| {
+        if d.refund {
+            Some(format!("descriptor {i} is a refund (is_negative_hits)"))
+        } else if d.limit_override.is_some() {
+            Some(format!("descriptor {i} carries a limit override"))
+        } else {
+            None
+        }
+    })
+}

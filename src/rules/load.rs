@@ -68,10 +68,15 @@ pub fn fingerprint(paths: &[PathBuf]) -> String {
     }
     let mut hasher = Sha256::new();
     for file in &files {
-        match std::fs::read(file) {
-            Ok(bytes) => hash_file(&mut hasher, file, &bytes),
-            Err(e) => hasher.update(format!("unreadable {}: {e}", file.display())),
+        // Streamed, so a huge file dropped into the directory is hashed,
+        // not held in memory (loading it is then refused).
+        hasher.update(file.to_string_lossy().as_bytes());
+        hasher.update([0]);
+        let copied = std::fs::File::open(file).and_then(|mut f| std::io::copy(&mut f, &mut hasher));
+        if let Err(e) = copied {
+            hasher.update(format!("unreadable {}: {e}", file.display()));
         }
+        hasher.update([0]);
     }
     for e in &errors {
         hasher.update(e.to_string());
@@ -97,10 +102,10 @@ pub fn load_paths(paths: &[PathBuf], opts: LoadOptions) -> Result<RuleSet, RuleE
     let mut hasher = Sha256::new();
     let mut domain_files: std::collections::HashMap<String, PathBuf> = Default::default();
     for file in &files {
-        let text = match std::fs::read_to_string(file) {
+        let text = match read_bounded(file) {
             Ok(t) => t,
             Err(e) => {
-                errors.push(err(file, 0, format!("cannot read file: {e}")));
+                errors.push(err(file, 0, e));
                 continue;
             }
         };
@@ -125,6 +130,27 @@ pub fn load_paths(paths: &[PathBuf], opts: LoadOptions) -> Result<RuleSet, RuleE
     set.hash = hex::encode(hasher.finalize());
     set.files = files;
     Ok(set)
+}
+
+/// Largest rules file read, in bytes. Real ones are kilobytes; a larger
+/// file dropped into a watched directory is refused, not read into memory.
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// A file's text, read only up to [`MAX_FILE_BYTES`] (the length is checked
+/// on what is read, not on metadata, which a growing file can outrun).
+fn read_bounded(file: &Path) -> Result<String, String> {
+    use std::io::Read as _;
+    let f = std::fs::File::open(file).map_err(|e| format!("cannot read file: {e}"))?;
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read file: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!(
+            "file is larger than {MAX_FILE_BYTES} bytes; refused"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("cannot read file: not UTF-8 ({e})"))
 }
 
 pub(super) fn err(file: &Path, line: usize, message: String) -> RuleError {

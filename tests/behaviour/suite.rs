@@ -90,6 +90,7 @@ macro_rules! behaviour_suite {
             token_bucket_burst,
             sliding_window_limit,
             sliding_log_limit,
+            sliding_log_caps_hits_per_call,
             zero_limit_bans,
             response_headers_pick_most_restrictive,
         );
@@ -513,6 +514,39 @@ pub async fn sliding_log_limit(e: Arc<dyn Engine>) {
     assert!(
         reset > 0 && reset <= 60_000,
         "oldest grant leaves within the minute: {reset}"
+    );
+}
+
+/// One sorted-set member per hit in Redis: a sliding_log charge carries at
+/// most 10,000 hits (more is OVER_LIMIT and charges nothing), even under a
+/// 1,000,000/hour limit; a refund takes at most that many back.
+pub async fn sliding_log_caps_hits_per_call(e: Arc<dyn Engine>) {
+    let l = limiter(e);
+    let with_hits = |hits: u64, refund: bool| {
+        let mut desc = d(&[("slbig", "x")]);
+        desc.hits = Some(hits);
+        desc.refund = refund;
+        req(vec![desc])
+    };
+    let out = call(&l, &with_hits(10_000, false)).await;
+    assert_eq!(
+        (out.overall, out.statuses[0].limit_remaining),
+        (Code::Ok, 990_000)
+    );
+    let out = call(&l, &with_hits(1_000_000, false)).await;
+    assert_eq!(out.overall, Code::OverLimit, "past the per-call cap");
+    let out = call(&l, &with_hits(10_001, false)).await;
+    assert_eq!(out.overall, Code::OverLimit, "past the per-call cap");
+    let out = call(&l, &with_hits(0, false)).await;
+    assert_eq!(
+        out.statuses[0].limit_remaining, 990_000,
+        "the refused charges added nothing"
+    );
+    call(&l, &with_hits(u64::MAX, true)).await;
+    let out = call(&l, &with_hits(1, false)).await;
+    assert_eq!(
+        out.statuses[0].limit_remaining, 999_999,
+        "a huge refund took back at most the cap (all 10,000 here)"
     );
 }
 

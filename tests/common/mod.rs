@@ -75,6 +75,8 @@ pub struct Leasehold {
     pub proc: Proc,
     pub grpc: SocketAddr,
     pub http: SocketAddr,
+    /// The admin listener (/status, /status.html, /rules).
+    pub admin: SocketAddr,
 }
 
 pub fn leasehold_bin() -> PathBuf {
@@ -92,6 +94,12 @@ impl Leasehold {
     ) -> Leasehold {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
         let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        // A free admin port, unless the caller chose one.
+        let chosen = extra.iter().position(|a| *a == "--admin-addr");
+        let admin: SocketAddr = match chosen {
+            Some(i) => extra[i + 1].parse().expect("admin addr"),
+            None => format!("127.0.0.1:{}", free_port()).parse().expect("addr"),
+        };
         let mut cmd = Command::new(leasehold_bin());
         cmd.arg("serve")
             .arg("--rules")
@@ -102,6 +110,9 @@ impl Leasehold {
             .arg(http.to_string())
             .args(extra)
             .env("LEASEHOLD_RULES_POLL_INTERVAL_MS", "200");
+        if chosen.is_none() {
+            cmd.arg("--admin-addr").arg(admin.to_string());
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -115,7 +126,12 @@ impl Leasehold {
                 .unwrap_or(false)
         });
         assert!(ready, "{name} did not become ready:\n{}", proc.log_text());
-        Leasehold { proc, grpc, http }
+        Leasehold {
+            proc,
+            grpc,
+            http,
+            admin,
+        }
     }
 
     pub fn grpc_uri(&self) -> String {

@@ -257,7 +257,7 @@ fn http_endpoints_and_json_api() {
         let r = get(server.http, path).expect("get");
         assert_eq!(r.status, 200, "{path}");
     }
-    let r = get(server.http, "/rules").expect("rules");
+    let r = get(server.admin, "/rules").expect("rules");
     let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
     assert_eq!(v["domains"][0]["domain"], "e2e");
     assert_eq!(v["domains"][0]["rules"][0]["key"], "e2e.user");
@@ -329,6 +329,87 @@ fn http_endpoints_and_json_api() {
     );
     let r = http("POST", server.http, "/json", &[], &huge).expect("post");
     assert_eq!(r.status, 413, "{}", r.body);
+    // The HTTP port is often reachable by more than Envoy: a refund or a
+    // limit override there is refused by default, and charges nothing.
+    let refund = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"carol"}],"is_negative_hits":true}]}"#;
+    let override_ = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"carol"}],"limit":{"requests_per_unit":1000000,"unit":"MINUTE"}}]}"#;
+    for (body, needle) in [(refund, "refund"), (override_, "limit override")] {
+        let r = http("POST", server.http, "/json", &[], body).expect("post");
+        assert_eq!(r.status, 403, "{}", r.body);
+        assert!(
+            r.body.contains(needle) && r.body.contains("json_allow_adjustments"),
+            "{}",
+            r.body
+        );
+    }
+    let r = http("POST", server.http, "/json", &[], body).expect("post");
+    assert_eq!(r.status, 429, "carol is still over: {}", r.body);
+    // The admin pages are not on the main listener.
+    for path in ["/status", "/status.html", "/rules"] {
+        assert_eq!(get(server.http, path).expect("get").status, 404, "{path}");
+    }
+}
+
+/// With the settings, /json answers adjustments and gRPC refuses them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adjustment_settings_open_json_and_close_grpc() {
+    let dir = test_dir("adjust");
+    let rules = write_rules(&dir, "e2e.yaml", RULES);
+    let server = Leasehold::start(
+        "leasehold",
+        &rules,
+        &[],
+        &[
+            ("LEASEHOLD_JSON_ALLOW_ADJUSTMENTS", "true"),
+            ("LEASEHOLD_GRPC_ALLOW_ADJUSTMENTS", "false"),
+        ],
+        &dir,
+    );
+    let http_addr = server.http;
+    let statuses = tokio::task::spawn_blocking(move || {
+        let charge = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"erin"}]}]}"#;
+        let refund = r#"{"domain":"e2e","descriptors":[{"entries":[{"key":"user","value":"erin"}],"is_negative_hits":true}]}"#;
+        let mut out = Vec::new();
+        for body in [charge, charge, charge, charge, refund, charge] {
+            out.push(http("POST", http_addr, "/json", &[], body).expect("post").status);
+        }
+        out
+    })
+    .await
+    .expect("join");
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 429, 200, 200],
+        "the refund made room"
+    );
+    let mut client = RateLimitServiceClient::connect(server.grpc_uri())
+        .await
+        .expect("connect");
+    let mut refund = request("e2e", vec![desc(&[("user", "erin")])]);
+    refund.descriptors[0].is_negative_hits = true;
+    let status = client.should_rate_limit(refund).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("grpc_allow_adjustments"),
+        "{status:?}"
+    );
+    let mut over = request("e2e", vec![desc(&[("user", "erin")])]);
+    over.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 100,
+        unit: 2,
+    });
+    let status = client.should_rate_limit(over).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    let plain = client
+        .should_rate_limit(request("e2e", vec![desc(&[("user", "erin")])]))
+        .await
+        .expect("a plain charge")
+        .into_inner();
+    assert_eq!(
+        plain.overall_code,
+        Code::OverLimit as i32,
+        "nothing was refunded"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,10 +457,10 @@ async fn hot_reload_swaps_good_rules_and_keeps_old_on_error() {
         "domain: added\ndescriptors:\n  - key: k\n    rate_limit: {unit: lightyear}\n",
     )
     .expect("write");
-    let http_addr = server.http;
+    let admin = server.admin;
     let errored = tokio::task::spawn_blocking(move || {
         wait_until(Duration::from_secs(10), || {
-            get(http_addr, "/rules")
+            get(admin, "/rules")
                 .map(|r| {
                     r.body.contains("invalid rate limit unit 'lightyear'")
                         && r.body.contains("added.yaml:4")
@@ -414,7 +495,7 @@ async fn hot_reload_swaps_good_rules_and_keeps_old_on_error() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(gone, "removed domain is gone");
-    let r = get(server.http, "/rules").expect("rules");
+    let r = get(server.admin, "/rules").expect("rules");
     let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
     assert!(
         v["last_error"].is_null(),

@@ -100,7 +100,7 @@ async fn cluster_on(redis: RedisServer, dir: &Path, via_proxy: bool, defaults: b
     };
     // Everyone sees four live members before load starts.
     for rep in &c.replicas {
-        let addr = rep.http;
+        let addr = rep.admin;
         let ok = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
                 status(addr).is_some_and(|v| {
@@ -243,7 +243,7 @@ fn back_on_redis_ms(addr: std::net::SocketAddr, since: u64) -> Option<u64> {
 /// Waits until every replica is back on Redis with nothing left to replay.
 fn wait_settled(c: &Cluster) {
     for rep in &c.replicas {
-        let addr = rep.http;
+        let addr = rep.admin;
         let ok = wait_until(Duration::from_secs(20), || {
             status(addr).is_some_and(|v| {
                 let e = &v["engine"];
@@ -422,7 +422,7 @@ async fn redis_killed_for_several_windows(key: &'static str, tag: &str) {
     assert_within(&per_window, 0.0, 1.05, "any window");
     // Redis came back empty; the replicas re-asserted every live window.
     assert_redis_equals_grants(&c, key, tag, &per_window);
-    let v = status(c.replicas[0].http).unwrap_or_default();
+    let v = status(c.replicas[0].admin).unwrap_or_default();
     assert!(
         v["engine"]["breaker"]["transitions"].as_u64().unwrap_or(0) >= 3,
         "tripped, probed, healthy: {v}"
@@ -558,7 +558,7 @@ async fn a_partitioned_replica_is_held_back_once_it_is_known_silent() {
     let back_at = now_ms();
     c.proxies[0].set(Mode::Pass);
     c.proxies[0].cut();
-    let recovery = tokio::task::block_in_place(|| back_on_redis_ms(c.replicas[0].http, back_at));
+    let recovery = tokio::task::block_in_place(|| back_on_redis_ms(c.replicas[0].admin, back_at));
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
     assert_no_errors(&samples);
@@ -617,7 +617,7 @@ async fn a_kernel_black_hole_heals_within_three_seconds() {
     let recovery: Vec<Option<u64>> = c
         .replicas
         .iter()
-        .map(|rep| tokio::task::block_in_place(|| back_on_redis_ms(rep.http, back_at)))
+        .map(|rep| tokio::task::block_in_place(|| back_on_redis_ms(rep.admin, back_at)))
         .collect();
     let samples = collect(load).await;
     tokio::task::block_in_place(|| wait_settled(&c));
@@ -765,7 +765,7 @@ async fn swallowed_bytes_healed_without_a_reset_never_pair_a_reply_with_the_wron
     let recovery: Vec<Option<u64>> = c
         .replicas
         .iter()
-        .map(|rep| tokio::task::block_in_place(|| back_on_redis_ms(rep.http, back_at)))
+        .map(|rep| tokio::task::block_in_place(|| back_on_redis_ms(rep.admin, back_at)))
         .collect();
     let samples = collect_values(loads).await;
     tokio::task::block_in_place(|| wait_settled(&c));
@@ -896,7 +896,7 @@ async fn readiness_and_health_stay_serving_through_a_redis_outage() {
             .await
             .expect("answered while Redis is down");
     }
-    let v = status(c.replicas[0].http).unwrap_or_default();
+    let v = status(c.replicas[0].admin).unwrap_or_default();
     assert_eq!(v["engine"]["path"], "local", "{v}");
     assert_eq!(v["engine"]["breaker"]["state"], "tripped", "{v}");
     // Lease sizes are on /status: one key, four members, no demand data yet.
@@ -1227,7 +1227,7 @@ async fn on_leases(rep: &Leasehold, req: leasehold::proto::rls::RateLimitRequest
         if r.is_ok_and(|r| r.get_ref().overall_code == Code::Ok as i32) {
             admitted += 1;
         }
-        let path = status(rep.http).map(|s| s["engine"]["path"].clone());
+        let path = status(rep.admin).map(|s| s["engine"]["path"].clone());
         if path.is_some_and(|p| p == "local") {
             return admitted;
         }
@@ -1262,7 +1262,7 @@ async fn a_restarted_replica_adds_to_its_previous_runs_local_grants() {
         redis.proc.signal("CONT").expect("signal CONT");
         let back = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
-                status(rep.http).is_some_and(|s| {
+                status(rep.admin).is_some_and(|s| {
                     s["engine"]["path"] == "redis" && s["engine"]["ledger"]["keys_to_replay"] == 0
                 })
             })
@@ -1299,7 +1299,7 @@ async fn a_replay_behind_an_unknown_guard_is_not_dropped() {
     let rep = tokio::task::block_in_place(|| {
         Leasehold::start("g1", &rules, &["--replica-id", "g1"], &env, &dir)
     });
-    let index = status(rep.http)
+    let index = status(rep.admin)
         .and_then(|s| s["engine"]["redis"]["membership"]["index"].as_u64())
         .expect("registered");
     let window = now_ms() / 60_000;

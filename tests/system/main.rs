@@ -5,6 +5,7 @@
 //! - [`e2e`]: the binary's surfaces, Envoy's filter, reload, startup and shutdown;
 //! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
+//! - [`hardening`]: hostile callers (slow connections, connection limits);
 //! - [`operations`]: traces, logs, the admin listener, status page, metrics;
 //! - [`topology`]: the four-replica topology through the local runner.
 
@@ -12,6 +13,7 @@
 mod common;
 mod e2e;
 mod fault_e2e;
+mod hardening;
 mod operations;
 mod redis_e2e;
 mod topology;

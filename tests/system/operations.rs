@@ -325,7 +325,7 @@ fn outage_status_page_dashboard_metrics_and_promtool() {
     redis.kill();
     calls(30);
     let status = |lh: &Leasehold| -> serde_json::Value {
-        let r = get(lh.http, "/status").expect("status");
+        let r = get(lh.admin, "/status").expect("status");
         serde_json::from_str(&r.body).expect("status JSON")
     };
     let tripped = wait_until(Duration::from_secs(10), || {
@@ -335,7 +335,7 @@ fn outage_status_page_dashboard_metrics_and_promtool() {
     assert!(tripped, "{}", status(&lh));
 
     // The page in a real browser: DOM and a screenshot.
-    let page = format!("http://{}/status.html", lh.http);
+    let page = format!("http://{}/status.html", lh.admin);
     let chrome = |args: &[&str]| {
         let o = Command::new(&chromium)
             .args([

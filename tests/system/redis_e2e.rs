@@ -97,7 +97,7 @@ async fn four_replicas_admit_exactly_the_limit() {
     }
     // Every replica sees four live members.
     for rep in &replicas {
-        let addr = rep.http;
+        let addr = rep.admin;
         let ok = tokio::task::spawn_blocking(move || {
             wait_until(Duration::from_secs(5), || {
                 get(addr, "/status")
@@ -210,7 +210,7 @@ fn libfaketime() -> PathBuf {
 /// preloaded into leasehold itself, not through the `faketime` wrapper,
 /// which forks, so the test stops it by its own pid; leasehold keeps the
 /// system allocator, which libfaketime works with). Returns the process
-/// and its gRPC and HTTP addresses once /readyz answers.
+/// and its gRPC and admin addresses once /readyz answers.
 async fn start_under_faketime(
     name: &str,
     offset: &str,
@@ -220,6 +220,7 @@ async fn start_under_faketime(
 ) -> (common::Proc, String, std::net::SocketAddr) {
     let grpc = format!("127.0.0.1:{}", free_port());
     let http = format!("127.0.0.1:{}", free_port());
+    let admin = format!("127.0.0.1:{}", free_port());
     let mut cmd = Command::new(common::leasehold_bin());
     cmd.env("LD_PRELOAD", libfaketime())
         .env("FAKETIME", offset)
@@ -231,6 +232,8 @@ async fn start_under_faketime(
             &grpc,
             "--http-addr",
             &http,
+            "--admin-addr",
+            &admin,
             "--replica-id",
             name,
             "--log-format",
@@ -255,7 +258,7 @@ async fn start_under_faketime(
         "{name} under faketime did not start:\n{}",
         proc.log_text()
     );
-    (proc, grpc, http_addr)
+    (proc, grpc, admin.parse().expect("addr"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,8 +362,8 @@ async fn a_clock_stepped_back_does_not_fence_a_restarted_replica_out() {
     let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
     // The previous run stopped before this one starts.
     let previous_run_ms = now_ms();
-    let (_proc, grpc, http) = start_under_faketime("back", "-1d", &r, &env, &dir).await;
-    let index = get(http, "/status")
+    let (_proc, grpc, admin) = start_under_faketime("back", "-1d", &r, &env, &dir).await;
+    let index = get(admin, "/status")
         .ok()
         .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
         .and_then(|v| v["engine"]["redis"]["membership"]["index"].as_u64())
@@ -389,7 +392,7 @@ async fn a_clock_stepped_back_does_not_fence_a_restarted_replica_out() {
             .into_inner();
         assert_eq!(resp.overall_code, Code::Ok as i32, "call {i}");
     }
-    let status: serde_json::Value = get(http, "/status")
+    let status: serde_json::Value = get(admin, "/status")
         .ok()
         .and_then(|r| serde_json::from_str(&r.body).ok())
         .unwrap_or_default();
@@ -457,10 +460,10 @@ async fn script_flush_and_redis_restart_mid_run_cause_no_client_error() {
     );
     assert!(ok > 100, "the load ran: {ok} calls");
     // Back on the Redis path, the script is loaded again by SHA.
-    let http_addr = server.http;
+    let admin = server.admin;
     let settled = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(20), || {
-            get(http_addr, "/status")
+            get(admin, "/status")
                 .ok()
                 .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
                 .is_some_and(|v| v["engine"]["path"] == "redis")
@@ -706,6 +709,8 @@ async fn a_live_duplicate_replica_id_is_refused() {
         &format!("127.0.0.1:{}", free_port()),
         "--http-addr",
         &format!("127.0.0.1:{}", free_port()),
+        "--admin-addr",
+        &format!("127.0.0.1:{}", free_port()),
         "--replica-id",
         "same",
     ]);
@@ -776,7 +781,7 @@ async fn refunds_racing_charges_are_not_data_loss() {
         net += n.expect("task");
     }
     let status: serde_json::Value =
-        serde_json::from_str(&get(server.http, "/status").expect("status").body).expect("json");
+        serde_json::from_str(&get(server.admin, "/status").expect("status").body).expect("json");
     let engine = &status["engine"];
     assert_eq!(engine["replay"]["data_loss_detected"], 0, "{engine}");
     assert_eq!(engine["decisions"]["local"], 0, "{engine}");
@@ -838,7 +843,7 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
         let settled = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
                 replicas.iter().all(|rep| {
-                    get(rep.http, "/status")
+                    get(rep.admin, "/status")
                         .ok()
                         .and_then(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
                         .is_some_and(|s| {
@@ -851,7 +856,7 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
         let in_redis = redis.window_total(&key).unwrap_or(0);
         let engines: Vec<String> = replicas
             .iter()
-            .filter_map(|rep| get(rep.http, "/status").ok())
+            .filter_map(|rep| get(rep.admin, "/status").ok())
             .filter_map(|r| serde_json::from_str::<serde_json::Value>(&r.body).ok())
             .map(|s| {
                 let e = &s["engine"];
@@ -901,7 +906,7 @@ async fn the_over_limit_cache_answers_locally_and_sees_refunds_within_its_bound(
         async move { c.should_rate_limit(req).await.expect("call").into_inner() }
     };
     let cached = |s: &Leasehold| -> u64 {
-        let v: serde_json::Value = get(s.http, "/status")
+        let v: serde_json::Value = get(s.admin, "/status")
             .ok()
             .and_then(|r| serde_json::from_str(&r.body).ok())
             .unwrap_or_default();
@@ -1015,13 +1020,13 @@ async fn batched_requests_stay_all_or_nothing_each() {
         redis.window_total(&a),
         redis.window_total(&b),
         a_only + with_b,
-        get(server.http, "/status")
+        get(server.admin, "/status")
             .map(|r| r.body)
             .unwrap_or_default(),
         redis.cli(&["HGETALL", &a]).replace('\n', " ")
     );
     let status: serde_json::Value =
-        serde_json::from_str(&get(server.http, "/status").expect("status").body).expect("json");
+        serde_json::from_str(&get(server.admin, "/status").expect("status").body).expect("json");
     let calls = status["engine"]["redis"]["decision_calls"]
         .as_u64()
         .unwrap_or(0);

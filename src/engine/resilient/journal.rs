@@ -6,7 +6,12 @@
 //! unreplayed local usage, the cumulative count. Replay sets Redis fields to
 //! these values, so replaying a snapshot twice, or one a little older than
 //! the last replay, never counts anything twice. It is written atomically
-//! (temporary file, fsync, rename) whenever the snapshot changes.
+//! (temporary file, fsync, rename, fsync of the directory so the rename
+//! itself survives a power loss) when the snapshot changes, at a rate
+//! bounded by its size (the recovery loop's `journal_interval_ms`). The
+//! file is readable by its owner only (0600): it holds raw descriptor
+//! values. Its name is the replica id percent-escaped, so two ids never
+//! share a file.
 //!
 //! Without a journal, a replica that crashes during an outage loses its
 //! unreplayed usage: at most its lease (its share of the limit) per key and
@@ -76,25 +81,59 @@ impl JournalEntry {
 
 #[derive(Clone, Debug)]
 pub struct Journal {
+    dir: PathBuf,
     path: PathBuf,
+}
+
+/// A replica id as a file name: ASCII letters, digits, `-`, `.` and `_`
+/// as they are, every other byte `%XX`, so distinct ids give distinct
+/// names (and `..` cannot escape the directory: `.` alone is kept, but a
+/// name always ends in `.journal.json`).
+fn file_name(replica_id: &str) -> String {
+    let mut out = String::with_capacity(replica_id.len());
+    for b in replica_id.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The name earlier versions used (every other character `_`).
+fn legacy_file_name(replica_id: &str) -> String {
+    replica_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 impl Journal {
     /// The journal of `replica_id` under `dir` (created if needed).
     pub fn open(dir: &Path, replica_id: &str) -> std::io::Result<Journal> {
         std::fs::create_dir_all(dir)?;
-        let name: String = replica_id
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let path = dir.join(format!("{}.journal.json", file_name(replica_id)));
+        let legacy = dir.join(format!("{}.journal.json", legacy_file_name(replica_id)));
+        if legacy != path && !path.exists() && legacy.exists() {
+            // The old naming mapped `a:b` and `a_b` to one file, so whose
+            // it is cannot be told: replaying another replica's grants as
+            // this one's would count them twice.
+            tracing::warn!(
+                legacy = %legacy.display(),
+                journal = %path.display(),
+                "a journal under this replica's old file name is not read (names were not unique); rename it if it is this replica's"
+            );
+        }
         Ok(Journal {
-            path: dir.join(format!("{name}.journal.json")),
+            dir: dir.to_owned(),
+            path,
         })
     }
 
@@ -113,13 +152,22 @@ impl Journal {
         }
     }
 
-    /// Replaces the snapshot atomically.
-    pub fn store(&self, entries: &[JournalEntry]) -> std::io::Result<()> {
+    /// Replaces the snapshot atomically; returns the bytes written.
+    pub fn store(&self, entries: &[JournalEntry]) -> std::io::Result<usize> {
+        use std::os::unix::fs::OpenOptionsExt as _;
         let tmp = self.path.with_extension("json.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&serde_json::to_vec(entries).map_err(std::io::Error::other)?)?;
+        let bytes = serde_json::to_vec(entries).map_err(std::io::Error::other)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)
+        std::fs::rename(&tmp, &self.path)?;
+        std::fs::File::open(&self.dir)?.sync_all()?;
+        Ok(bytes.len())
     }
 }
 
@@ -179,7 +227,7 @@ mod tests {
     fn snapshots_round_trip_and_replace_atomically() {
         let dir = tempfile::tempdir().expect("tempdir");
         let j = Journal::open(dir.path(), "host:8081").expect("open");
-        assert!(j.path().ends_with("host_8081.journal.json"));
+        assert!(j.path().ends_with("host%3A8081.journal.json"));
         assert_eq!(j.load(), Ok(Vec::new()));
         let spec = LimitSpec::fixed(100, Unit::Minute);
         let key = CounterKey::new("d", [("k", "v|x")], &spec);
@@ -198,5 +246,41 @@ mod tests {
         assert_eq!((old.local_own, old.unreplayed), (7, None));
         j.store(&[]).expect("store empty");
         assert_eq!(j.load(), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn files_are_private_and_names_never_collide() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ids = ["a:b", "a_b", "a%3Ab", "a/b", "../x", "é"];
+        let paths: std::collections::HashSet<PathBuf> = ids
+            .iter()
+            .map(|id| {
+                Journal::open(dir.path(), id)
+                    .expect("open")
+                    .path()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(paths.len(), ids.len(), "{paths:?}");
+        for p in &paths {
+            assert_eq!(
+                p.parent(),
+                Some(dir.path()),
+                "stays in the directory: {p:?}"
+            );
+        }
+        let j = Journal::open(dir.path(), "a:b").expect("open");
+        let spec = LimitSpec::fixed(100, Unit::Minute);
+        let key = CounterKey::new("d", [("api_key", "secret")], &spec);
+        let written = j
+            .store(&[JournalEntry::new(&key, &spec, 1, 2)])
+            .expect("store");
+        assert!(written > 0);
+        let mode = std::fs::metadata(j.path())
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
     }
 }

@@ -18,6 +18,9 @@ use super::ResilientEngine;
 /// Ledger sweeps and journal writes happen at most this often.
 const SWEEP_EVERY_MS: u64 = 1_000;
 const JOURNAL_EVERY_MS: u64 = 100;
+/// Journal rewrites are paced to at most this many bytes per second on
+/// average: a large snapshot is rewritten less often than every 100 ms.
+const JOURNAL_BYTES_PER_SEC: u64 = 8 * 1024 * 1024;
 /// The bound on the last replay attempt at shutdown.
 pub const FINAL_REPLAY_MS: u64 = 1_000;
 
@@ -26,6 +29,8 @@ pub const FINAL_REPLAY_MS: u64 = 1_000;
 pub struct Recovery {
     last_sweep_ms: u64,
     last_journal_ms: u64,
+    /// Milliseconds the last journal write costs at the paced rate.
+    journal_interval_ms: u64,
     reregistrations: Option<u64>,
     journaled: Option<Vec<JournalEntry>>,
 }
@@ -106,9 +111,12 @@ impl ResilientEngine {
         let now = self.clock.now_ms();
         let state = self.breaker_state();
         self.follow_membership(state, r);
-        if self.journal.is_some() && now >= r.last_journal_ms + JOURNAL_EVERY_MS {
+        let journal_every = r.journal_interval_ms.max(JOURNAL_EVERY_MS);
+        if self.journal.is_some() && now >= r.last_journal_ms + journal_every {
             r.last_journal_ms = now;
-            self.write_journal(&mut r.journaled).await;
+            if let Some(bytes) = self.write_journal(&mut r.journaled).await {
+                r.journal_interval_ms = bytes as u64 * 1_000 / JOURNAL_BYTES_PER_SEC;
+            }
         }
         if now >= r.last_sweep_ms + SWEEP_EVERY_MS {
             r.last_sweep_ms = now;
@@ -253,9 +261,10 @@ impl ResilientEngine {
         }
     }
 
-    /// Writes the journal snapshot when it changed since the last write.
-    async fn write_journal(&self, last: &mut Option<Vec<JournalEntry>>) {
-        let Some(journal) = &self.journal else { return };
+    /// Writes the journal snapshot when it changed since the last write;
+    /// returns the bytes written, if it wrote.
+    async fn write_journal(&self, last: &mut Option<Vec<JournalEntry>>) -> Option<usize> {
+        let journal = self.journal.as_ref()?;
         let snapshot: Vec<_> = self
             .ledger
             .unreplayed_snapshot()
@@ -263,15 +272,24 @@ impl ResilientEngine {
             .map(|(k, s, w, n, replayed)| JournalEntry::new(k, s, *w, *n).with_replayed(*replayed))
             .collect();
         if last.as_ref() == Some(&snapshot) {
-            return;
+            return None;
         }
         let journal = journal.clone();
         let data = snapshot.clone();
         let result = tokio::task::spawn_blocking(move || journal.store(&data)).await;
         match result {
-            Ok(Ok(())) => *last = Some(snapshot),
-            Ok(Err(e)) => tracing::error!(error = %e, "cannot write the journal"),
-            Err(e) => tracing::error!(error = %e, "journal task failed"),
+            Ok(Ok(bytes)) => {
+                *last = Some(snapshot);
+                Some(bytes)
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot write the journal");
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "journal task failed");
+                None
+            }
         }
     }
 }

@@ -276,8 +276,8 @@ async fn sleep_until(unix: u64) {
 /// Every replica's /status now (cumulative counters).
 async fn snapshot(topo: &Topology) -> Vec<ReplicaView> {
     let mut out = Vec::new();
-    for (_, http) in &topo.ports.replicas {
-        let url = format!("http://127.0.0.1:{http}/status");
+    for r in &topo.ports.replicas {
+        let url = format!("http://127.0.0.1:{}/status", r.admin);
         let v = match topo.http().get(&url, &[]).await {
             Ok(r) => serde_json::from_str::<serde_json::Value>(&r.body).unwrap_or_default(),
             Err(_) => serde_json::Value::Null,

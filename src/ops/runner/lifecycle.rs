@@ -38,9 +38,9 @@ impl Topology {
                 ready && self.envoy_healthy_replicas().await == Some(REPLICAS as u64)
             }
             replica => match replica_index(replica).and_then(|i| p.replicas.get(i)) {
-                Some((_, http)) => self
+                Some(r) => self
                     .http
-                    .get(&format!("http://127.0.0.1:{http}/readyz"), &[])
+                    .get(&format!("http://127.0.0.1:{}/readyz", r.http), &[])
                     .await
                     .is_ok_and(|r| r.status == 200),
                 None => false,
@@ -99,10 +99,13 @@ impl Topology {
                 ),
             ),
         ];
-        for (i, (g, h)) in p.replicas.iter().enumerate() {
+        for (i, r) in p.replicas.iter().enumerate() {
             rows.push((
                 replica_name(i + 1),
-                format!("grpc 127.0.0.1:{g}  http http://127.0.0.1:{h}/status"),
+                format!(
+                    "grpc 127.0.0.1:{}  http http://127.0.0.1:{}/metrics  admin http://127.0.0.1:{}/status.html",
+                    r.grpc, r.http, r.admin
+                ),
             ));
         }
         rows.push((

@@ -23,7 +23,7 @@ use crate::ops::process::Process;
 
 use super::deploy::{self, Layout, REPLICAS};
 
-pub use setup::{Binaries, Ports};
+pub use setup::{Binaries, Ports, ReplicaPorts};
 
 /// How to start the topology.
 pub struct Options {
@@ -152,7 +152,7 @@ impl Topology {
             vec![],
         );
         self.launch(REDIS).await?;
-        for (i, (grpc, http)) in p.replicas.iter().enumerate() {
+        for (i, r) in p.replicas.iter().enumerate() {
             let name = replica_name(i + 1);
             let mut env = vec![
                 (
@@ -165,8 +165,19 @@ impl Topology {
                     format!("redis://127.0.0.1:{}", p.redis),
                 ),
                 ("LEASEHOLD_RULES".into(), rules_dir.display().to_string()),
-                ("LEASEHOLD_GRPC_ADDR".into(), format!("127.0.0.1:{grpc}")),
-                ("LEASEHOLD_HTTP_ADDR".into(), format!("127.0.0.1:{http}")),
+                (
+                    "LEASEHOLD_GRPC_ADDR".into(),
+                    format!("127.0.0.1:{}", r.grpc),
+                ),
+                (
+                    "LEASEHOLD_HTTP_ADDR".into(),
+                    format!("127.0.0.1:{}", r.http),
+                ),
+                // Set explicitly: every replica needs its own.
+                (
+                    "LEASEHOLD_ADMIN_ADDR".into(),
+                    format!("127.0.0.1:{}", r.admin),
+                ),
             ];
             env.extend(opts.replica_env.iter().cloned());
             self.add(&name, &b.leasehold, vec!["serve".into()], env);

@@ -38,12 +38,20 @@ impl Binaries {
     }
 }
 
+/// One replica's listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaPorts {
+    pub grpc: u16,
+    pub http: u16,
+    /// The admin pages (/status, /status.html, /rules).
+    pub admin: u16,
+}
+
 /// Ports on loopback, one per listener.
 #[derive(Debug, Clone)]
 pub struct Ports {
     pub redis: u16,
-    /// (gRPC, HTTP) per replica.
-    pub replicas: Vec<(u16, u16)>,
+    pub replicas: Vec<ReplicaPorts>,
     pub upstream: u16,
     pub envoy: u16,
     pub envoy_admin: u16,
@@ -52,14 +60,14 @@ pub struct Ports {
 
 impl Ports {
     /// Consecutive ports from `base`: Redis, upstream, Envoy, Envoy admin,
-    /// nginx, then (gRPC, HTTP) per replica.
+    /// nginx, then (gRPC, HTTP, admin) per replica.
     pub fn from_base(base: u16) -> anyhow::Result<Ports> {
         if base < 1024 {
             bail!(
                 "base port {base}: use 1024 or above (port 0 would disable Redis's TCP listener)"
             );
         }
-        base.checked_add(5 + 2 * REPLICAS as u16)
+        base.checked_add(5 + 3 * REPLICAS as u16)
             .ok_or_else(|| anyhow!("base port {base} leaves no room for the topology"))?;
         Ok(Ports {
             redis: base,
@@ -68,7 +76,11 @@ impl Ports {
             envoy_admin: base + 3,
             nginx: base + 4,
             replicas: (0..REPLICAS as u16)
-                .map(|i| (base + 5 + 2 * i, base + 6 + 2 * i))
+                .map(|i| ReplicaPorts {
+                    grpc: base + 5 + 3 * i,
+                    http: base + 6 + 3 * i,
+                    admin: base + 7 + 3 * i,
+                })
                 .collect(),
         })
     }
@@ -89,7 +101,13 @@ impl Ports {
             envoy_admin: next()?,
             nginx: next()?,
             replicas: (0..REPLICAS)
-                .map(|_| Ok((next()?, next()?)))
+                .map(|_| {
+                    Ok(ReplicaPorts {
+                        grpc: next()?,
+                        http: next()?,
+                        admin: next()?,
+                    })
+                })
                 .collect::<anyhow::Result<_>>()?,
         })
     }
@@ -99,7 +117,7 @@ impl Ports {
         let lo = |port| Endpoint::new("127.0.0.1", port);
         Layout {
             domain: "edge".into(),
-            replicas: self.replicas.iter().map(|(g, _)| lo(*g)).collect(),
+            replicas: self.replicas.iter().map(|r| lo(r.grpc)).collect(),
             upstream: lo(self.upstream),
             upstream_listen: lo(self.upstream),
             envoy_listen: lo(self.envoy),
