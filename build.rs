@@ -13,9 +13,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let vendored_include = protoc_bin_vendored::include_path()?;
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
+    // Without the `server` feature only the messages are generated, so the
+    // core builds without tonic.
+    let services = std::env::var_os("CARGO_FEATURE_SERVER").is_some();
     tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(true)
+        .build_server(services)
+        .build_client(services)
         .file_descriptor_set_path(out_dir.join("rls_descriptor.bin"))
         .compile_protos(
             &[PathBuf::from("proto/envoy/service/ratelimit/v3/rls.proto")],

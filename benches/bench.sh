@@ -12,6 +12,10 @@
 #   benches/bench.sh outage     Redis up / down (local path) / recovery,
 #                               local path vs memory (median of 3), RSS with
 #                               100,000 keys through an outage
+#   benches/bench.sh soak       bounded memory with default settings: peak
+#                               RSS after 1,000,000 distinct 1 KiB values on
+#                               a day rule (in memory), and after 100,000
+#                               keys through a Redis outage
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/leasehold}
@@ -32,6 +36,10 @@ descriptors:
     rate_limit:
       unit: minute
       requests_per_unit: 1
+  - key: day
+    rate_limit:
+      unit: day
+      requests_per_unit: 1000
 YAML
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
@@ -167,6 +175,22 @@ outage)
   echo "  replica VmRSS: $(awk '/VmRSS/ {print $2, $3}' /proc/$PID_red/status)"
   curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
   ;;
+soak)
+  hwm() { awk '/VmHWM/ {print $2, $3}' "/proc/$1/status"; }
+  start_leasehold mem
+  echo "idle replica VmRSS: $(awk '/VmRSS/ {print $2, $3}' /proc/$PID_mem/status)"
+  echo "1,000,000 distinct 1 KiB values, day rule, memory engine (defaults):"
+  "$BIN" bench --addr "127.0.0.1:$GRPC_mem" --domain bench --key day --unique --value-bytes 1024 --requests 1000000 --duration 600 --concurrency 64 --connections 4 --json
+  echo "  peak VmRSS (VmHWM): $(hwm "$PID_mem")"
+  curl -s "127.0.0.1:$ADMIN_mem/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  engine:", e)'
+  start_redis
+  start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id soak-1
+  kill -9 "$REDIS_PID"; sleep 1
+  echo "100,000 keys through a Redis outage (defaults):"
+  "$BIN" bench --addr "127.0.0.1:$GRPC_red" --domain bench --key day --keys 100000 --duration 20 --concurrency 64 --connections 4 --json
+  echo "  peak VmRSS (VmHWM): $(hwm "$PID_red")"
+  curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
+  ;;
 *)
-  echo "usage: $0 memory|redis|outage" >&2; exit 2;;
+  echo "usage: $0 memory|redis|outage|soak" >&2; exit 2;;
 esac

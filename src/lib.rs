@@ -28,27 +28,42 @@
 //!   shares; [`key`]: the counter key (encode, decode, hash tag, redaction).
 //! - [`limit`]: pure algorithm math with `now` passed in; [`clock`]: time.
 //! - [`proto`]: the generated Envoy RLS v3 types; [`redact`]: value hashing.
+//!
+//! Without the `server` feature (on by default) only the core is built:
+//! `rules`, `key`, `limit`, `decision`, `domain`, the in-memory engine,
+//! `rls` and `proto` (messages, no services); the fuzz targets build that.
 
+#[cfg(feature = "server")]
 pub mod app;
+#[cfg(feature = "server")]
 pub mod cli;
 pub mod clock;
 pub mod decision;
 pub mod domain;
 pub mod engine;
+#[cfg(feature = "server")]
 mod grpc;
+#[cfg(feature = "server")]
 mod http;
 pub mod key;
 #[cfg(test)]
+#[cfg(feature = "server")]
 mod layers;
 pub mod limit;
+#[cfg(feature = "server")]
 mod metrics;
+#[cfg(feature = "server")]
 pub mod ops;
 pub mod proto;
 pub mod redact;
+#[cfg(feature = "server")]
 pub mod redis;
-mod rls;
+pub mod rls;
 pub mod rules;
+#[cfg(feature = "server")]
 pub mod settings;
+#[cfg(feature = "server")]
 pub mod telemetry;
 
+#[cfg(feature = "server")]
 pub use grpc::REPLICA_HEADER;

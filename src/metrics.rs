@@ -45,6 +45,8 @@ pub struct Metrics {
     unreplayed_hits: IntGauge,
     suspect_keys: IntGauge,
     dropped_usage: IntCounter,
+    memory_bytes: IntGauge,
+    memory_evictions: IntCounter,
     replay_runs: IntCounter,
     replay_entries: IntCounter,
     redis_failures: IntCounter,
@@ -168,6 +170,8 @@ impl Metrics {
             unreplayed_hits: gauge(&r, "leasehold_unreplayed_hits", "Lease grants Redis has not confirmed yet.")?,
             suspect_keys: gauge(&r, "leasehold_suspect_keys", "Keys decided locally until a fenced repair.")?,
             dropped_usage: counter(&r, "leasehold_dropped_usage_hits_total", "Unreplayed usage dropped because the ledger was full.")?,
+            memory_bytes: gauge(&r, "leasehold_memory_bytes", "Estimated bytes of the in-memory counters (capped by memory_max_bytes).")?,
+            memory_evictions: counter(&r, "leasehold_memory_evictions_total", "Live in-memory counters evicted to stay within memory_max_bytes (an evicted key starts again from zero).")?,
             replay_runs: counter(&r, "leasehold_replay_runs_total", "Replay calls that Redis confirmed.")?,
             replay_entries: counter(&r, "leasehold_replay_entries_total", "(key, window) fields written by replay.")?,
             redis_failures: counter(&r, "leasehold_redis_failures_total", "Redis decision calls that failed or missed the deadline.")?,
@@ -272,6 +276,15 @@ impl Metrics {
     /// The exposition, with engine facts read now (only the resilient
     /// engine has a breaker, a ledger and replays; elsewhere they stay 0).
     pub fn render(&self, status: &EngineStatus) -> String {
+        if let EngineStatus::Memory {
+            tracked_bytes,
+            evictions,
+            ..
+        } = status
+        {
+            self.memory_bytes.set(*tracked_bytes as i64);
+            mirror(&self.memory_evictions, *evictions);
+        }
         if let EngineStatus::Resilient(r) = status {
             for s in ["healthy", "tripped", "probing", "settling"] {
                 self.breaker_state
@@ -285,6 +298,8 @@ impl Metrics {
             self.unreplayed_hits.set(r.ledger.unreplayed_hits);
             self.suspect_keys.set(r.ledger.suspect_keys as i64);
             mirror(&self.dropped_usage, r.ledger.dropped_usage);
+            self.memory_bytes.set(r.ledger.lease_state_bytes as i64);
+            mirror(&self.memory_evictions, r.ledger.lease_state_evictions);
             mirror(&self.replay_runs, r.replay.runs);
             mirror(&self.replay_entries, r.replay.entries);
             mirror(&self.redis_failures, r.decisions.redis_failures);

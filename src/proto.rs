@@ -5,7 +5,7 @@ pub mod envoy {
     pub mod config {
         pub mod core {
             pub mod v3 {
-                tonic::include_proto!("envoy.config.core.v3");
+                include!(concat!(env!("OUT_DIR"), "/envoy.config.core.v3.rs"));
             }
         }
     }
@@ -19,7 +19,10 @@ pub mod envoy {
         pub mod common {
             pub mod ratelimit {
                 pub mod v3 {
-                    tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                    include!(concat!(
+                        env!("OUT_DIR"),
+                        "/envoy.extensions.common.ratelimit.v3.rs"
+                    ));
                 }
             }
         }
@@ -27,7 +30,7 @@ pub mod envoy {
     pub mod service {
         pub mod ratelimit {
             pub mod v3 {
-                tonic::include_proto!("envoy.service.ratelimit.v3");
+                include!(concat!(env!("OUT_DIR"), "/envoy.service.ratelimit.v3.rs"));
             }
         }
     }
@@ -38,4 +41,6 @@ pub use envoy::service::ratelimit::v3 as rls;
 
 /// The file descriptor set of the protos above (imports included), served by
 /// gRPC reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rls_descriptor");
+#[cfg(feature = "server")]
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/rls_descriptor.bin"));

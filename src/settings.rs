@@ -51,6 +51,14 @@ pub struct Settings {
     pub http_header_timeout_ms: u64,
     /// Most concurrent gRPC calls on one connection (HTTP/2 streams).
     pub grpc_max_concurrent_streams: u32,
+    /// TLS on the gRPC port: certificate chain (PEM). With `grpc_tls_key`.
+    /// The files are checked every second and reloaded when they change.
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// TLS on the gRPC port: private key (PEM).
+    pub grpc_tls_key: Option<PathBuf>,
+    /// Mutual TLS: clients must present a certificate signed by one of
+    /// these CAs (PEM).
+    pub grpc_tls_client_ca: Option<PathBuf>,
     /// Answer refunds (`is_negative_hits`) and request limit overrides on
     /// `POST /json`; off, they get 403. The HTTP port is often reachable by
     /// more than Envoy, and either lets a caller rewrite counts.
@@ -67,11 +75,22 @@ pub struct Settings {
     /// 1 s = 2 s; a Kubernetes readiness probe: periodSeconds ×
     /// failureThreshold).
     pub shutdown_delay_ms: u64,
+    /// Most bytes the in-memory counters take (keys included), in the
+    /// memory engine and in each replica's lease state; past it the soonest
+    /// to expire are evicted (counted).
+    pub memory_max_bytes: usize,
     /// How often expired in-memory counters are dropped, in milliseconds.
     pub sweep_interval_ms: u64,
     /// Redis URL (redis://[user:password@]host:port[/db], rediss:// for TLS).
     /// Unset: the in-memory engine decides alone.
     pub redis_url: Option<String>,
+    /// TLS to Redis (`rediss://`): the CA that signed Redis's certificate
+    /// (PEM). Unset: the system's roots.
+    pub redis_tls_ca: Option<PathBuf>,
+    /// Mutual TLS to Redis: this replica's certificate chain (PEM).
+    pub redis_tls_cert: Option<PathBuf>,
+    /// Mutual TLS to Redis: its private key (PEM).
+    pub redis_tls_key: Option<PathBuf>,
     /// Prefix of every Redis key leasehold writes (no braces).
     pub redis_prefix: String,
     /// Budget for one Redis call on the request path while Redis is silent
@@ -117,6 +136,9 @@ pub struct Settings {
     pub replicas_hint: usize,
     /// Most keys the replay ledger tracks.
     pub ledger_max_keys: usize,
+    /// Most bytes the replay ledger takes (keys included); with
+    /// `ledger_max_keys`, whichever is reached first.
+    pub ledger_max_bytes: usize,
     /// Directory for the outage journal: unreplayed lease grants survive a
     /// restart of this replica. Unset: no journal.
     pub journal_dir: Option<PathBuf>,
@@ -166,12 +188,19 @@ impl Default for Settings {
             http_max_connections: 1024,
             http_header_timeout_ms: 30_000,
             grpc_max_concurrent_streams: 1024,
+            grpc_tls_cert: None,
+            grpc_tls_key: None,
+            grpc_tls_client_ca: None,
             json_allow_adjustments: false,
             grpc_allow_adjustments: true,
             shutdown_grace_ms: 10_000,
             shutdown_delay_ms: 3_000,
+            memory_max_bytes: crate::engine::memory::DEFAULT_MAX_BYTES,
             sweep_interval_ms: 5_000,
             redis_url: None,
+            redis_tls_ca: None,
+            redis_tls_cert: None,
+            redis_tls_key: None,
             redis_prefix: "lh:".into(),
             redis_deadline_ms: 5,
             redis_budget_max_ms: 15,
@@ -189,6 +218,7 @@ impl Default for Settings {
             lease_min_share: 0.025,
             replicas_hint: 1,
             ledger_max_keys: 200_000,
+            ledger_max_bytes: 64 * 1024 * 1024,
             journal_dir: None,
             metrics_detailed_max_series: 1_000,
             log_level: "info".into(),
@@ -301,6 +331,7 @@ impl Settings {
         for (key, v) in [
             ("rules_poll_interval_ms", self.rules_poll_interval_ms),
             ("sweep_interval_ms", self.sweep_interval_ms),
+            ("memory_max_bytes", self.memory_max_bytes as u64),
         ] {
             if v == 0 {
                 return Err(invalid(key, "must be greater than 0"));
@@ -365,6 +396,32 @@ impl Settings {
                 ));
             }
         }
+        match (&self.redis_tls_cert, &self.redis_tls_key) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "redis_tls_key",
+                    "redis_tls_cert needs redis_tls_key",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "redis_tls_cert",
+                    "redis_tls_key needs redis_tls_cert",
+                ))
+            }
+            _ => {}
+        }
+        if !self.redis_tls().is_default()
+            && !self
+                .redis_url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("rediss://"))
+        {
+            return Err(invalid(
+                "redis_tls_ca",
+                "redis_tls_ca, redis_tls_cert and redis_tls_key need a rediss:// redis_url",
+            ));
+        }
         if self.redis_prefix.contains(['{', '}']) {
             return Err(invalid(
                 "redis_prefix",
@@ -396,10 +453,10 @@ impl Settings {
         if !(0.0..=1.0).contains(&self.lease_min_share) {
             return Err(invalid("lease_min_share", "must be between 0 and 1"));
         }
-        if self.replicas_hint == 0 || self.ledger_max_keys == 0 {
+        if self.replicas_hint == 0 || self.ledger_max_keys == 0 || self.ledger_max_bytes == 0 {
             return Err(invalid(
                 "replicas_hint",
-                "replicas_hint and ledger_max_keys must be at least 1",
+                "replicas_hint, ledger_max_keys and ledger_max_bytes must be at least 1",
             ));
         }
         if self.membership_ttl_ms <= self.membership_heartbeat_ms {
@@ -439,6 +496,21 @@ impl Settings {
                 "must differ from http_addr and grpc_addr",
             ));
         }
+        match (&self.grpc_tls_cert, &self.grpc_tls_key) {
+            (Some(_), None) => {
+                return Err(invalid("grpc_tls_key", "grpc_tls_cert needs grpc_tls_key"))
+            }
+            (None, Some(_)) => {
+                return Err(invalid("grpc_tls_cert", "grpc_tls_key needs grpc_tls_cert"))
+            }
+            _ => {}
+        }
+        if self.grpc_tls_client_ca.is_some() && self.grpc_tls_cert.is_none() {
+            return Err(invalid(
+                "grpc_tls_client_ca",
+                "mutual TLS needs grpc_tls_cert and grpc_tls_key",
+            ));
+        }
         if let Some(e) = &self.otlp_endpoint {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 return Err(invalid(
@@ -463,6 +535,24 @@ impl Settings {
         }
     }
 
+    /// TLS files for `rediss://`.
+    pub fn redis_tls(&self) -> crate::redis::tls::RedisTls {
+        crate::redis::tls::RedisTls {
+            ca: self.redis_tls_ca.clone(),
+            cert: self.redis_tls_cert.clone(),
+            key: self.redis_tls_key.clone(),
+        }
+    }
+
+    /// The gRPC listener's TLS files, when TLS is on.
+    pub fn grpc_tls(&self) -> Option<crate::grpc::tls::TlsFiles> {
+        Some(crate::grpc::tls::TlsFiles {
+            cert: self.grpc_tls_cert.clone()?,
+            key: self.grpc_tls_key.clone()?,
+            client_ca: self.grpc_tls_client_ca.clone(),
+        })
+    }
+
     pub fn bounds(&self) -> Bounds {
         Bounds {
             max_descriptors: self.max_descriptors,
@@ -480,6 +570,8 @@ impl Settings {
             lease_min_share: self.lease_min_share,
             replicas_hint: self.replicas_hint,
             ledger_max_keys: self.ledger_max_keys,
+            ledger_max_bytes: self.ledger_max_bytes,
+            local_max_bytes: self.memory_max_bytes,
             breaker: crate::engine::resilient::breaker::BreakerConfig {
                 failures_to_trip: self.breaker_failures,
                 probe_interval_ms: self.breaker_probe_interval_ms,
@@ -578,6 +670,39 @@ mod tests {
         assert!(s.grpc_allow_adjustments, "Envoy's own refunds work");
         assert!(s.max_request_bytes >= 4 * 60 * 1024);
         assert!(s.http_header_timeout_ms <= 30_000, "slow headers end");
+    }
+
+    #[test]
+    fn tls_settings_come_in_pairs_and_need_their_transport() {
+        let base = Settings {
+            rules: vec!["r".into()],
+            ..Settings::default()
+        };
+        let cert_only = Settings {
+            grpc_tls_cert: Some("c.pem".into()),
+            ..base.clone()
+        };
+        assert!(cert_only
+            .validate()
+            .is_err_and(|e| e.to_string().contains("grpc_tls_key")));
+        let ca_only = Settings {
+            grpc_tls_client_ca: Some("ca.pem".into()),
+            ..base.clone()
+        };
+        assert!(ca_only.validate().is_err());
+        let redis_plain = Settings {
+            redis_url: Some("redis://127.0.0.1:6379".into()),
+            redis_tls_ca: Some("ca.pem".into()),
+            ..base.clone()
+        };
+        assert!(redis_plain
+            .validate()
+            .is_err_and(|e| e.to_string().contains("rediss://")));
+        let redis_tls = Settings {
+            redis_url: Some("rediss://127.0.0.1:6379".into()),
+            ..redis_plain
+        };
+        assert!(redis_tls.validate().is_ok());
     }
 
     #[test]

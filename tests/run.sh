@@ -42,3 +42,6 @@ if [ ${#pip_missing[@]} -gt 0 ]; then
 fi
 
 cargo nextest run --all-targets "$@"
+
+# Coverage-guided fuzzing of the core, time-boxed (FUZZ_SECONDS per target).
+tests/fuzz.sh

@@ -142,6 +142,7 @@ pub async fn redis_engine(
             pool_size: settings.redis_pool_size,
             deadline: Duration::from_millis(settings.redis_deadline_ms),
             reply_timeout: Duration::from_millis(settings.redis_reply_timeout_ms),
+            tls: settings.redis_tls(),
         })
         .map_err(anyhow::Error::msg)?,
     );

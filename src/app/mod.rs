@@ -37,6 +37,8 @@ pub use signals::{stop_signal, Stop};
 pub struct Prepared {
     pub settings: Settings,
     pub rules: RuleSet,
+    /// TLS on the gRPC port, its files loaded.
+    pub grpc_tls: Option<Arc<crate::grpc::tls::Reloading>>,
 }
 
 /// Validates settings and loads the rules; errors here mean "exit non-zero
@@ -45,7 +47,15 @@ pub fn prepare(settings: Settings) -> anyhow::Result<Prepared> {
     settings.validate()?;
     let rules = rules::load_paths(&settings.rules, settings.load_options())
         .map_err(|e: RuleErrors| anyhow::anyhow!("invalid rules:\n{e}"))?;
-    Ok(Prepared { settings, rules })
+    let grpc_tls = match settings.grpc_tls() {
+        Some(files) => Some(crate::grpc::tls::Reloading::new(files).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    Ok(Prepared {
+        settings,
+        rules,
+        grpc_tls,
+    })
 }
 
 /// Runs the server on already-bound listeners until `shutdown` resolves.
@@ -56,7 +66,11 @@ pub async fn run(
     admin_listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let Prepared { settings, rules } = prepared;
+    let Prepared {
+        settings,
+        rules,
+        grpc_tls,
+    } = prepared;
     let grpc_port = grpc_listener.local_addr()?.port();
     let replica_id: Arc<str> = Arc::from(
         settings
@@ -71,7 +85,10 @@ pub async fn run(
             .context("registering metrics")?
             .with_redaction(settings.redact_values),
     );
-    let memory = Arc::new(MemoryEngine::new(Arc::new(SystemClock)));
+    let memory = Arc::new(MemoryEngine::with_max_bytes(
+        Arc::new(SystemClock),
+        settings.memory_max_bytes,
+    ));
     let built = engine::build(&settings, &replica_id, memory.clone(), &metrics).await?;
 
     let reload = Arc::new(ReloadStatus::default());
@@ -119,10 +136,17 @@ pub async fn run(
         replica_id,
         redact: settings.redact_values,
     };
+    if let Some(tls) = &grpc_tls {
+        tasks.spawn(supervise::supervised(
+            "TLS certificate reload",
+            tls.clone().watch(Duration::from_secs(1), stop_rx.clone()),
+        ));
+    }
     let listeners = serve::Listeners {
         grpc: grpc_listener,
         http: http_listener,
         admin: admin_listener,
+        grpc_tls,
     };
     let mut servers = serve::start(&settings, limiter, state, listeners, &stop_rx).await?;
     let mut redis_loops = built.loops;

@@ -42,6 +42,7 @@ pub(super) struct Listeners {
     pub grpc: TcpListener,
     pub http: TcpListener,
     pub admin: TcpListener,
+    pub grpc_tls: Option<Arc<crate::grpc::tls::Reloading>>,
 }
 
 pub(super) async fn start(
@@ -86,8 +87,19 @@ pub(super) async fn start(
         .add_service(
             rls.into_server()
                 .max_decoding_message_size(settings.max_request_bytes),
-        )
-        .serve_with_incoming_shutdown(accept_nodelay(listeners.grpc), stopped(stop.clone()));
+        );
+    let grpc =
+        match listeners.grpc_tls {
+            Some(tls) => {
+                tracing::info!(mutual = tls.requires_client_certs(), "gRPC over TLS");
+                let incoming = crate::grpc::tls::incoming(listeners.grpc, tls, stop.clone());
+                tokio::spawn(grpc.serve_with_incoming_shutdown(incoming, stopped(stop.clone())))
+            }
+            None => tokio::spawn(grpc.serve_with_incoming_shutdown(
+                accept_nodelay(listeners.grpc),
+                stopped(stop.clone()),
+            )),
+        };
 
     // The pages that show descriptor values live on the admin listener
     // only; the main listener keeps health, metrics and /json.
@@ -108,7 +120,7 @@ pub(super) async fn start(
         stop.clone(),
     );
     Ok(Servers {
-        grpc: tokio::spawn(grpc),
+        grpc,
         http: tokio::spawn(http),
         admin: tokio::spawn(admin),
         health,

@@ -82,6 +82,15 @@ pub struct ServeArgs {
     /// Redact descriptor values on /status, /status.html and /rules.
     #[arg(long)]
     pub redact_values: bool,
+    /// TLS on the gRPC port: certificate chain (PEM), reloaded when it changes.
+    #[arg(long, value_name = "FILE")]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// TLS on the gRPC port: private key (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// Mutual TLS: require client certificates signed by these CAs (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
     /// Export traces over OTLP/gRPC to this endpoint (http://host:4317).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
@@ -124,6 +133,15 @@ impl ServeArgs {
         s.redact_values |= self.redact_values;
         if let Some(e) = &self.otlp_endpoint {
             s.otlp_endpoint = Some(e.clone());
+        }
+        for (flag, setting) in [
+            (&self.grpc_tls_cert, &mut s.grpc_tls_cert),
+            (&self.grpc_tls_key, &mut s.grpc_tls_key),
+            (&self.grpc_tls_client_ca, &mut s.grpc_tls_client_ca),
+        ] {
+            if let Some(path) = flag {
+                *setting = Some(path.clone());
+            }
         }
         Ok(s)
     }

@@ -10,12 +10,14 @@ mod respond;
 mod types;
 
 use std::sync::Arc;
+#[cfg(feature = "server")]
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
 
 use crate::domain::EngineError;
 use crate::engine::Engine;
+#[cfg(feature = "server")]
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
 
@@ -29,6 +31,7 @@ pub struct Limiter {
     rules: RulesHandle,
     engine: Arc<dyn Engine>,
     settings: DecisionSettings,
+    #[cfg(feature = "server")]
     metrics: Option<Arc<Metrics>>,
 }
 
@@ -38,16 +41,19 @@ impl Limiter {
             rules,
             engine,
             settings,
+            #[cfg(feature = "server")]
             metrics: None,
         }
     }
 
     /// Records decisions in `metrics`.
+    #[cfg(feature = "server")]
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
 
+    #[cfg(feature = "server")]
     pub fn metrics(&self) -> Option<&Arc<Metrics>> {
         self.metrics.as_ref()
     }
@@ -68,6 +74,7 @@ impl Limiter {
             };
             plan::plan(req, domain, &self.settings)
         };
+        #[cfg(feature = "server")]
         let started = Instant::now();
         let outcome = if planned.batch.charges.is_empty() {
             None
@@ -75,6 +82,7 @@ impl Limiter {
             match self.engine.apply(&planned.batch).await {
                 Ok(o) => Some(o),
                 Err(e) => {
+                    #[cfg(feature = "server")]
                     if let Some(m) = &self.metrics {
                         m.request("error");
                     }
@@ -82,8 +90,10 @@ impl Limiter {
                 }
             }
         };
+        #[cfg(feature = "server")]
         let detailed: Vec<bool> = planned.plans.iter().map(plan::Plan::detailed).collect();
         let decision = respond::decision(planned.plans, outcome, &self.settings);
+        #[cfg(feature = "server")]
         if let Some(m) = &self.metrics {
             record(
                 m,
@@ -99,6 +109,7 @@ impl Limiter {
     /// A domain no rules file declares: every descriptor is unlimited, as in
     /// the reference.
     fn unknown_domain(&self, req: &Request) -> Decision {
+        #[cfg(feature = "server")]
         if let Some(m) = &self.metrics {
             m.request("ok");
             m.descriptor_unknown_domain(req.descriptors.len());
@@ -113,6 +124,7 @@ impl Limiter {
 }
 
 /// Decision metrics. Only configured domains become label values.
+#[cfg(feature = "server")]
 fn record(m: &Metrics, req: &Request, d: &Decision, detailed: &[bool], seconds: f64) {
     let path = d.path.map_or("none", |p| p.as_str());
     m.request(if d.overall == Code::OverLimit {

@@ -31,6 +31,7 @@ pub(super) enum Plan {
 }
 
 impl Plan {
+    #[cfg(feature = "server")]
     pub(super) fn detailed(&self) -> bool {
         matches!(self, Plan::Limited { detailed: true, .. })
     }

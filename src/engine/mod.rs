@@ -6,7 +6,9 @@
 //! engine that degrades from a backend to local leases ([`resilient`]).
 
 pub mod memory;
+#[cfg(feature = "server")]
 pub mod redis;
+#[cfg(feature = "server")]
 pub mod resilient;
 
 use async_trait::async_trait;
@@ -15,15 +17,25 @@ use serde::Serialize;
 use crate::domain::{Batch, BatchOutcome, EngineError};
 
 pub use memory::MemoryEngine;
+#[cfg(feature = "server")]
 pub use redis::{RedisEngine, RedisStatus};
+#[cfg(feature = "server")]
 pub use resilient::{ResilientEngine, ResilientStatus};
 
 /// What an engine reports on /status (tagged by `engine`) and /metrics.
 #[derive(Clone, Debug, Serialize)]
 #[serde(tag = "engine", rename_all = "snake_case")]
 pub enum EngineStatus {
-    Memory { tracked_keys: usize },
+    Memory {
+        tracked_keys: usize,
+        /// Estimated bytes of the tracked keys (capped by `memory_max_bytes`).
+        tracked_bytes: usize,
+        /// Live keys evicted to stay within the cap.
+        evictions: u64,
+    },
+    #[cfg(feature = "server")]
     Redis(Box<RedisStatus>),
+    #[cfg(feature = "server")]
     Resilient(Box<ResilientStatus>),
 }
 
@@ -32,6 +44,7 @@ impl EngineStatus {
     /// ([`crate::redact`]), for admin pages with `redact_values` on.
     pub fn redacted(self) -> Self {
         match self {
+            #[cfg(feature = "server")]
             EngineStatus::Resilient(mut r) => {
                 for lease in &mut r.leases {
                     lease.key = crate::redact::counter_key(&lease.key);

@@ -10,6 +10,8 @@
 //! resilient engine decides locally instead of failing, so in normal
 //! operation no Redis fault reaches this layer.
 
+pub mod tls;
+
 use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -34,6 +36,20 @@ pub const HEALTH_NAMES: [&str; 3] = [
 /// Response metadata naming the replica that decided, so a caller behind a
 /// balancer (grpcurl -v through nginx) can see which one answered.
 pub const REPLICA_HEADER: &str = "x-leasehold-replica";
+
+/// Socket options for an accepted gRPC connection on a custom acceptor:
+/// TCP_NODELAY (a response's last small write would otherwise wait for
+/// the client's delayed ACK, 40 ms) and TCP keepalive (finds peers that
+/// vanished without a FIN).
+pub fn socket_options(stream: &tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a gRPC connection");
+    }
+    let keepalive = socket2::TcpKeepalive::new().with_time(std::time::Duration::from_secs(60));
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        tracing::debug!(error = %e, "cannot set TCP keepalive on a gRPC connection");
+    }
+}
 
 pub struct RlsService {
     limiter: Arc<Limiter>,

@@ -39,6 +39,15 @@ pub struct BenchArgs {
     /// Seconds to run.
     #[arg(long, default_value_t = 10.0)]
     pub duration: f64,
+    /// Pad every value to this many bytes (0: as generated).
+    #[arg(long, default_value_t = 0)]
+    pub value_bytes: usize,
+    /// Every call a value never sent before (ignores --keys).
+    #[arg(long)]
+    pub unique: bool,
+    /// Stop after this many calls in all (0: run for --duration only).
+    #[arg(long, default_value_t = 0)]
+    pub requests: u64,
     /// Hits per call (request hits_addend).
     #[arg(long, default_value_t = 1)]
     pub hits: u32,
@@ -151,15 +160,30 @@ async fn caller(
     // A per-caller xorshift spreads callers over the key space without a
     // shared counter.
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1);
-    while start.elapsed() < run_for {
+    // This caller's share of --requests.
+    let quota = match args.requests {
+        0 => u64::MAX,
+        n => {
+            n / args.concurrency.max(1) as u64
+                + u64::from((i as u64) < n % args.concurrency.max(1) as u64)
+        }
+    };
+    let mut sent = 0u64;
+    while start.elapsed() < run_for && sent < quota {
+        sent += 1;
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let value = if args.keys == 1 {
+        let mut value = if args.unique {
+            format!("u{i}-{sent}")
+        } else if args.keys == 1 {
             "hot".to_string()
         } else {
             format!("k{}", x % args.keys)
         };
+        if value.len() < args.value_bytes {
+            value.extend(std::iter::repeat_n('v', args.value_bytes - value.len()));
+        }
         let req = RateLimitRequest {
             domain: args.domain.clone(),
             descriptors: vec![RateLimitDescriptor {

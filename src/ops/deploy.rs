@@ -35,6 +35,32 @@ pub fn render(template: &str, vars: &HashMap<&str, String>) -> Result<String, Re
     Ok(out)
 }
 
+/// The template's `RLS_TLS` for calling leasehold over mutual TLS: Envoy
+/// presents `cert`/`key`, trusts `ca` for the replicas' certificates and
+/// checks that they name `server_name` (files as Envoy's host sees them).
+/// Pair with `grpc_tls_cert`, `grpc_tls_key` and `grpc_tls_client_ca` on
+/// the replicas.
+pub fn envoy_rls_mtls(ca: &str, cert: &str, key: &str, server_name: &str) -> String {
+    format!(
+        r#"
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          sni: {server_name}
+          common_tls_context:
+            alpn_protocols: ["h2"]
+            tls_certificates:
+              - certificate_chain: {{ filename: "{cert}" }}
+                private_key: {{ filename: "{key}" }}
+            validation_context:
+              trusted_ca: {{ filename: "{ca}" }}
+              match_typed_subject_alt_names:
+                - san_type: DNS
+                  matcher: {{ exact: "{server_name}" }}"#
+    )
+}
+
 /// The templates, compiled in so the runner works from any directory.
 pub const ENVOY_TEMPLATE: &str = include_str!("../../envoy/envoy.yaml.tmpl");
 pub const NGINX_TEMPLATE: &str = include_str!("../../envoy/nginx.conf.tmpl");
@@ -132,6 +158,8 @@ impl Layout {
             ("UPSTREAM_HOST", self.upstream.host.clone()),
             ("UPSTREAM_PORT", self.upstream.port.to_string()),
             ("RLS_ENDPOINTS", envoy_endpoints(&self.replicas)),
+            // Plaintext to the replicas; [`envoy_rls_mtls`] for mutual TLS.
+            ("RLS_TLS", String::new()),
             ("NGINX_RUN_DIR", self.nginx_run_dir.clone()),
             ("NGINX_LISTEN", self.nginx_listen.to_string()),
             ("NGINX_UPSTREAMS", nginx_upstreams(&self.replicas)),

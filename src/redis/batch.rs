@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use fred::types::Value;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
@@ -24,7 +25,7 @@ type Reply = Result<Vec<i64>, CallError>;
 
 struct Queued {
     keys: Vec<String>,
-    args: Vec<String>,
+    args: Vec<Value>,
     reply: oneshot::Sender<Reply>,
 }
 
@@ -57,7 +58,7 @@ impl Redis {
     pub(super) async fn decide_coalesced(
         self: &Arc<Self>,
         keys: Vec<String>,
-        args: Vec<String>,
+        args: Vec<Value>,
         affinity: u64,
     ) -> Reply {
         let slot = (affinity % self.queues.slots.len() as u64) as usize;
@@ -117,12 +118,12 @@ impl Redis {
             let mut keys = Vec::with_capacity(batch.iter().map(|q| q.keys.len()).sum());
             let mut args =
                 Vec::with_capacity(2 + batch.iter().map(|q| 2 + q.args.len()).sum::<usize>());
-            args.push("B".to_owned());
-            args.push(batch.len().to_string());
+            args.push(Value::from("B"));
+            args.push(Value::Integer(batch.len() as i64));
             let mut replies = Vec::with_capacity(batch.len());
             for q in batch {
-                args.push(q.keys.len().to_string());
-                args.push(q.args.len().to_string());
+                args.push(Value::Integer(q.keys.len() as i64));
+                args.push(Value::Integer(q.args.len() as i64));
                 keys.extend(q.keys);
                 args.extend(q.args);
                 replies.push(q.reply);

@@ -19,6 +19,7 @@ pub mod inspect;
 pub mod keys;
 pub mod membership;
 pub mod scripts;
+pub mod tls;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,6 +44,8 @@ pub struct RedisConfig {
     /// How long a decision call that left waits for its reply (the caller
     /// decides without it much sooner, see the resilient engine's budget).
     pub reply_timeout: Duration,
+    /// CA and client certificate for `rediss://`.
+    pub tls: tls::RedisTls,
 }
 
 struct Script {
@@ -100,10 +103,15 @@ impl Redis {
     pub fn connect(cfg: &RedisConfig) -> Result<Redis, String> {
         let config = Config::from_url(&cfg.url)
             .map_err(|e| format!("invalid Redis URL {}: {e}", redact_url(&cfg.url)))?;
-        let config = Config {
+        let mut config = Config {
             fail_fast: false,
             ..config
         };
+        if config.tls.is_some() && !cfg.tls.is_default() {
+            config.tls = Some(fred::types::config::TlsConfig::from(
+                cfg.tls.client_config()?,
+            ));
+        }
         let mut builder = Builder::from_config(config.clone());
         let reply_timeout = cfg.reply_timeout.max(cfg.deadline);
         builder.with_connection_config(|c| {
@@ -270,7 +278,7 @@ impl Redis {
         &self,
         script: &Script,
         keys: Vec<String>,
-        args: Vec<String>,
+        args: Vec<Value>,
         deadline: Duration,
         affinity: Option<u64>,
     ) -> Result<Value, CallError> {
@@ -288,7 +296,6 @@ impl Redis {
         // copies each attempt hands to fred are reference counts, not new
         // strings.
         let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
-        let args: Vec<Value> = args.into_iter().map(Value::from).collect();
         let attempt = async {
             loop {
                 match self.eval_once(script, &keys, &args, affinity, &sent).await {
@@ -404,7 +411,7 @@ impl Redis {
     pub async fn decide(
         self: &Arc<Self>,
         keys: Vec<String>,
-        args: Vec<String>,
+        args: Vec<Value>,
         affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
         self.decide_coalesced(keys, args, affinity).await
@@ -425,6 +432,7 @@ impl Redis {
         args: Vec<String>,
         deadline: Duration,
     ) -> Result<Vec<i64>, CallError> {
+        let args = args.into_iter().map(Value::from).collect();
         let value = self.eval(&self.replay, keys, args, deadline, None).await?;
         integers(value)
     }
@@ -436,6 +444,7 @@ impl Redis {
         args: Vec<String>,
         deadline: Duration,
     ) -> Result<Vec<Value>, CallError> {
+        let args = args.into_iter().map(Value::from).collect();
         match self.eval(&self.members, keys, args, deadline, None).await? {
             Value::Array(items) => Ok(items),
             other => Err(CallError::Reply(format!("{other:?}"))),

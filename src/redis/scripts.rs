@@ -7,6 +7,8 @@ use crate::domain::backend::{Presume, RawItem, RawReply, ReplayEntry, ReplayKind
 use crate::domain::Batch;
 use crate::limit::{Algorithm, Role};
 
+use fred::types::Value;
+
 use super::keys;
 
 /// The decision script (`decide.lua`).
@@ -69,12 +71,13 @@ pub struct DecideCall<'a> {
     pub boot: &'a str,
 }
 
-fn index_list(indices: &[u64]) -> String {
-    indices
-        .iter()
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
+/// Comma-separated indices; empty (the usual case) without allocating.
+fn index_list(indices: &[u64]) -> Value {
+    if indices.is_empty() {
+        return Value::from("");
+    }
+    let list: Vec<String> = indices.iter().map(u64::to_string).collect();
+    Value::from(list.join(","))
 }
 
 /// decide.lua: KEYS[i] the base key of charge i; ARGV 1-5: index, epoch,
@@ -86,44 +89,48 @@ fn index_list(indices: &[u64]) -> String {
 /// expected window, presumed fraction per member, may-prove flag, own
 /// local count not replayed yet. The Redis module appends the call's token
 /// (see its docs) and strips it from the reply.
-pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<String>) {
+pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<Value>) {
     let keys = batch
         .charges
         .iter()
         .map(|c| keys::counter_base(prefix, &c.key))
         .collect();
+    // Numbers go as integers: fred writes them straight into the request,
+    // with no string allocated per argument (11 per charge), and Lua reads
+    // every argument as a string either way.
+    let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
     let mut args = Vec::with_capacity(8 + 11 * batch.charges.len());
-    args.push(call.index.to_string());
-    args.push(call.epoch.to_string());
-    args.push(if batch.never_deny { "1" } else { "0" }.to_string());
-    args.push(call.margin_ms.to_string());
-    args.push(call.call_id.to_string());
+    args.push(int(call.index));
+    args.push(int(call.epoch));
+    args.push(int(u64::from(batch.never_deny)));
+    args.push(int(call.margin_ms));
+    args.push(Value::from(call.call_id));
     let p = call.presume;
     args.push(match p.episode {
-        Some(n) if !p.peers.is_empty() => format!("{}.{n}", call.boot),
-        _ => String::new(),
+        Some(n) if !p.peers.is_empty() => Value::from(format!("{}.{n}", call.boot)),
+        _ => Value::from(""),
     });
     args.push(index_list(&p.peers));
     args.push(index_list(&p.silent));
     for (i, c) in batch.charges.iter().enumerate() {
-        args.push(algorithm_code(c.spec.algorithm).to_string());
-        args.push(c.spec.requests_per_unit.to_string());
-        args.push(c.spec.unit.millis().to_string());
-        args.push(c.spec.burst.to_string());
-        args.push(c.hits.min(MAX_HITS).to_string());
+        args.push(int(u64::from(algorithm_code(c.spec.algorithm))));
+        args.push(int(u64::from(c.spec.requests_per_unit)));
+        args.push(int(c.spec.unit.millis()));
+        args.push(int(u64::from(c.spec.burst)));
+        args.push(int(c.hits.min(MAX_HITS)));
         let pc = p.charges.get(i).copied().unwrap_or_default();
         let flags = u8::from(c.refund) + 2 * role_code(c.role) + 8 * u8::from(pc.demand_known);
-        args.push(flags.to_string());
+        args.push(int(u64::from(flags)));
         let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
-        args.push(count.to_string());
-        args.push(window.to_string());
+        args.push(Value::Integer(count));
+        args.push(int(window));
         args.push(if pc.fraction > 0.0 {
-            format!("{:.6}", pc.fraction)
+            Value::from(format!("{:.6}", pc.fraction))
         } else {
-            "0".to_string()
+            Value::Integer(0)
         });
-        args.push(if pc.prove { "1" } else { "0" }.to_string());
-        args.push(pc.pending.to_string());
+        args.push(int(u64::from(pc.prove)));
+        args.push(Value::Integer(pc.pending));
     }
     (keys, args)
 }

@@ -91,6 +91,31 @@ fn hash_file(hasher: &mut Sha256, file: &Path, bytes: &[u8]) {
     hasher.update([0]);
 }
 
+/// Loads and validates one file's text as the only rules file (what the
+/// rules fuzz target drives; the same path as [`load_paths`] per file).
+pub fn load_text(file: &Path, text: &str, opts: LoadOptions) -> Result<RuleSet, RuleErrors> {
+    if text.len() as u64 > MAX_FILE_BYTES {
+        let message = format!("file is larger than {MAX_FILE_BYTES} bytes; refused");
+        return Err(RuleErrors(vec![err(file, 0, message)]));
+    }
+    let mut errors = Vec::new();
+    let mut set = RuleSet::default();
+    let mut hasher = Sha256::new();
+    let mut domain_files = std::collections::HashMap::new();
+    hash_file(&mut hasher, file, text.as_bytes());
+    let mut ctx = FileCtx {
+        file,
+        errors: &mut errors,
+    };
+    ctx.load_file(text, opts, &mut set, &mut domain_files);
+    if !errors.is_empty() {
+        return Err(RuleErrors(errors));
+    }
+    set.hash = hex::encode(hasher.finalize());
+    set.files = vec![file.to_path_buf()];
+    Ok(set)
+}
+
 /// Loads and validates every rules file under `paths`.
 pub fn load_paths(paths: &[PathBuf], opts: LoadOptions) -> Result<RuleSet, RuleErrors> {
     let mut errors = Vec::new();

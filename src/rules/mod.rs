@@ -15,7 +15,7 @@ mod reload;
 mod tree;
 mod yaml;
 
-pub use load::{fingerprint, load_paths, LoadOptions, RuleError, RuleErrors};
+pub use load::{fingerprint, load_paths, load_text, LoadOptions, RuleError, RuleErrors};
 pub use reload::ReloadStatus;
 
 use std::collections::HashMap;

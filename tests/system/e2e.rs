@@ -657,7 +657,7 @@ async fn sigterm_reports_not_serving_then_drains_and_exits_zero() {
 }
 
 /// A minimal upstream for Envoy: answers 200 "upstream ok" to everything.
-async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
+pub(crate) async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind upstream");
@@ -672,9 +672,10 @@ async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
 /// A real Envoy on free loopback ports, from the deployment template
 /// (`failure_mode_deny: false`, a descriptor from `x-user`, domain `edge`),
 /// calling leasehold at `grpc_port`, in front of [`start_upstream`].
-async fn start_envoy(
+pub(crate) async fn start_envoy(
     dir: &Path,
     grpc_port: u16,
+    rls_tls: &str,
 ) -> (
     common::Proc,
     std::net::SocketAddr,
@@ -695,6 +696,7 @@ async fn start_envoy(
         ("LISTEN_ADDRESS", "127.0.0.1".to_string()),
         ("LISTEN_PORT", listen_port.to_string()),
         ("DOMAIN", "edge".to_string()),
+        ("RLS_TLS", rls_tls.to_string()),
         ("UPSTREAM_HOST", "127.0.0.1".to_string()),
         ("UPSTREAM_PORT", upstream_port.to_string()),
         (
@@ -723,7 +725,7 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     let dir = test_dir("envoy");
     let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
-    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port()).await;
+    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port(), "").await;
     let results = tokio::task::spawn_blocking(move || {
         let up = wait_until(Duration::from_secs(30), || {
             get(admin, "/ready")
@@ -778,7 +780,7 @@ async fn envoy_limits_a_client_with_an_oversize_header_value() {
     let dir = test_dir("envoy-long");
     let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
-    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port()).await;
+    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port(), "").await;
     let results = tokio::task::spawn_blocking(move || {
         let up = wait_until(Duration::from_secs(30), || {
             get(admin, "/ready")

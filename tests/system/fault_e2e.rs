@@ -1365,6 +1365,7 @@ async fn a_call_that_left_and_timed_out_may_have_applied_whatever_the_pool_does(
         pool_size: 8,
         deadline: Duration::from_millis(50),
         reply_timeout: Duration::from_secs(2),
+        tls: Default::default(),
     })
     .expect("pool");
     let all_up = tokio::task::block_in_place(|| {

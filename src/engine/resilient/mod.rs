@@ -71,6 +71,9 @@ pub struct ResilientConfig {
     pub lease_min_share: f64,
     pub replicas_hint: usize,
     pub ledger_max_keys: usize,
+    pub ledger_max_bytes: usize,
+    /// Byte cap of the lease state's counters (`memory_max_bytes`).
+    pub local_max_bytes: usize,
     pub breaker: BreakerConfig,
     /// How long a call waits for its own reply while Redis is answering
     /// (see [`call`]); `deadline_ms` applies when it is not.
@@ -166,8 +169,8 @@ impl ResilientEngine {
     ) -> Self {
         let now = clock.now_ms();
         let engine = ResilientEngine {
-            local: MemoryEngine::new(clock.clone()),
-            ledger: Ledger::new(cfg.ledger_max_keys),
+            local: MemoryEngine::with_max_bytes(clock.clone(), cfg.local_max_bytes),
+            ledger: Ledger::with_max_bytes(cfg.ledger_max_keys, cfg.ledger_max_bytes),
             breaker: Mutex::new(Breaker::new(cfg.breaker, now)),
             offset_ms: AtomicI64::new(0),
             members: AtomicUsize::new(cfg.replicas_hint.max(1)),

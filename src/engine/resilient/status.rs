@@ -56,6 +56,13 @@ pub struct BreakerView {
 #[derive(Clone, Debug, Serialize)]
 pub struct LedgerView {
     pub tracked_keys: usize,
+    /// The lease state's counters: estimated bytes (capped by
+    /// `memory_max_bytes`) and live keys evicted to stay within the cap.
+    pub lease_state_bytes: usize,
+    pub lease_state_evictions: u64,
+    /// The ledger's estimated bytes, and clean entries it evicted.
+    pub ledger_bytes: usize,
+    pub ledger_evicted: u64,
     pub keys_to_replay: usize,
     pub unreplayed_hits: i64,
     pub suspect_keys: usize,
@@ -145,6 +152,10 @@ impl ResilientEngine {
             members_for_leases: members,
             ledger: LedgerView {
                 tracked_keys: self.ledger.len(),
+                lease_state_bytes: self.local.bytes(),
+                lease_state_evictions: self.local.evictions(),
+                ledger_bytes: self.ledger.bytes(),
+                ledger_evicted: stat(&self.ledger.evicted),
                 keys_to_replay,
                 unreplayed_hits,
                 suspect_keys,

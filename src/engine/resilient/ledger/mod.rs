@@ -14,9 +14,16 @@
 //! - **Lease inputs.** The last remaining count Redis reported for the
 //!   current window and this replica's share of the key's traffic.
 //!
-//! Bounded: at most `max_keys` keys; windows past their life are dropped.
-//! Unreplayed usage in a live window is never dropped silently: when the cap
-//! forces it, it is counted in `dropped_usage` and logged.
+//! Bounded: at most `max_keys` keys and `max_bytes` bytes (key sizes
+//! included); windows past their life are dropped. A new key when full
+//! evicts, in O(1), the least recently used of a few sampled entries that
+//! hold no unreplayed usage; entries with unreplayed usage are never
+//! evicted. If the sample has none, the new key is not tracked: its usage
+//! is counted in `dropped_usage` (a Redis-path charge in `untracked`) and
+//! reported in a log line at most every 10 s, without raw values. So the
+//! replay guarantee (a replica knows its own count for each live window)
+//! holds for every key the ledger tracks, and what it could not track is
+//! counted.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -33,6 +40,19 @@ mod replay;
 mod views;
 
 const SHARDS: usize = 32;
+/// Entries looked at to choose one to evict.
+const EVICTION_SAMPLE: usize = 16;
+/// How often a "ledger full" line may be logged.
+const FULL_LOG_EVERY_MS: u64 = 10_000;
+
+/// An estimate of one entry's memory: the key's bytes and allocation
+/// header, the map's entry at its load factor, and a few windows.
+fn entry_cost(key: &CounterKey) -> usize {
+    key.as_str().len()
+        + 16
+        + std::mem::size_of::<(CounterKey, Entry)>() * 8 / 7
+        + 2 * std::mem::size_of::<WindowTally>()
+}
 
 #[derive(Clone, Debug, Default)]
 struct WindowTally {
@@ -114,6 +134,9 @@ impl Entry {
         match self.windows.iter().position(|w| w.window == window) {
             Some(i) => &mut self.windows[i],
             None => {
+                // Most keys only ever have one or two live windows; a plain
+                // push would allocate room for four (192 bytes a key).
+                self.windows.reserve_exact(1);
                 self.windows.push(WindowTally {
                     window,
                     ..Default::default()
@@ -177,7 +200,12 @@ fn replayable(spec: &LimitSpec) -> bool {
 pub struct Ledger {
     shards: Vec<Mutex<HashMap<CounterKey, Entry>>>,
     max_keys: usize,
+    max_bytes: usize,
     len: AtomicUsize,
+    bytes: AtomicUsize,
+    /// Clean entries evicted to make room.
+    pub evicted: AtomicU64,
+    last_full_log_ms: AtomicU64,
     /// Unreplayed usage dropped because the ledger was full.
     pub dropped_usage: AtomicU64,
     /// Redis-path charges on keys the full ledger could not track.
@@ -186,10 +214,19 @@ pub struct Ledger {
 
 impl Ledger {
     pub fn new(max_keys: usize) -> Self {
+        Self::with_max_bytes(max_keys, usize::MAX)
+    }
+
+    /// At most `max_keys` keys and about `max_bytes` bytes.
+    pub fn with_max_bytes(max_keys: usize, max_bytes: usize) -> Self {
         Ledger {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             max_keys: max_keys.max(1),
+            max_bytes: max_bytes.max(1),
             len: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            evicted: AtomicU64::new(0),
+            last_full_log_ms: AtomicU64::new(0),
             dropped_usage: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
         }
@@ -203,8 +240,8 @@ impl Ledger {
     }
 
     /// Runs `f` on the entry for `key`, creating it if there is room. When
-    /// the ledger is full, evicts a clean entry of the same shard, or as a
-    /// last resort one with unreplayed usage (counted and logged).
+    /// the ledger is full, evicts the least recently used clean entry of a
+    /// sample of the same shard; `None` when the sample has none.
     fn with_entry<R>(
         &self,
         key: &CounterKey,
@@ -214,32 +251,63 @@ impl Ledger {
     ) -> Option<R> {
         let mut map = self.shard(key).lock();
         if !map.contains_key(key) {
-            if self.len.load(Ordering::Relaxed) >= self.max_keys {
+            let cost = entry_cost(key);
+            let full = || {
+                self.len.load(Ordering::Relaxed) >= self.max_keys
+                    || self.bytes.load(Ordering::Relaxed).saturating_add(cost) > self.max_bytes
+            };
+            // A victim may be smaller than the newcomer: evict until it fits.
+            while full() {
                 let victim = map
                     .iter()
+                    .take(EVICTION_SAMPLE)
                     .filter(|(_, e)| !e.needs_replay())
                     .min_by_key(|(_, e)| e.touched_ms)
-                    .or_else(|| map.iter().min_by_key(|(_, e)| e.touched_ms))
-                    .map(|(k, e)| (k.clone(), e.unreplayed()));
+                    .map(|(k, _)| k.clone());
                 match victim {
-                    Some((k, lost)) => {
-                        if lost > 0 {
-                            self.dropped_usage.fetch_add(lost as u64, Ordering::Relaxed);
-                            tracing::error!(key = %k.as_str(), hits = lost, "ledger full: dropping unreplayed usage");
-                        }
+                    Some(k) => {
                         map.remove(&k);
                         self.len.fetch_sub(1, Ordering::Relaxed);
+                        self.bytes.fetch_sub(entry_cost(&k), Ordering::Relaxed);
+                        self.evicted.fetch_add(1, Ordering::Relaxed);
                     }
                     None => return None,
                 }
             }
             map.insert(key.clone(), Entry::new(*spec, now_ms));
             self.len.fetch_add(1, Ordering::Relaxed);
+            self.bytes.fetch_add(cost, Ordering::Relaxed);
         }
         let entry = map.get_mut(key)?;
         entry.touched_ms = now_ms;
         entry.spec = *spec;
         Some(f(entry))
+    }
+
+    /// Estimated bytes of the tracked entries.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// One line at most every [`FULL_LOG_EVERY_MS`], with totals and no
+    /// key (keys hold client values).
+    fn report_full(&self, now_ms: u64) {
+        let last = self.last_full_log_ms.load(Ordering::Relaxed);
+        if now_ms < last.saturating_add(FULL_LOG_EVERY_MS)
+            || self
+                .last_full_log_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        tracing::error!(
+            keys = self.len(),
+            bytes = self.bytes(),
+            dropped_usage = self.dropped_usage.load(Ordering::Relaxed),
+            untracked = self.untracked.load(Ordering::Relaxed),
+            "ledger full: usage of new keys cannot be kept for replay (see dropped_usage; raise ledger_max_keys or ledger_max_bytes)"
+        );
     }
 
     pub fn len(&self) -> usize {
@@ -310,7 +378,7 @@ impl Ledger {
         if tracked.is_none() {
             self.dropped_usage
                 .fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
-            tracing::error!(key = %key.as_str(), hits = delta, "ledger full: local usage cannot be kept for replay");
+            self.report_full(now_ms);
         }
     }
 

@@ -217,3 +217,34 @@ fn the_previous_windows_demand_is_known_once_a_reply_in_the_window_brought_it() 
     // Window 6 needs window 5's, which no reply has brought yet.
     assert!(!l.call_inputs(&k, 6).demand_known);
 }
+
+#[test]
+fn the_byte_cap_evicts_clean_entries_and_never_unreplayed_usage() {
+    // Unreplayed local usage on every key: nothing may be evicted, and what
+    // does not fit is counted.
+    let l = Ledger::with_max_bytes(1_000_000, 64 * 1024);
+    for i in 0..5_000u64 {
+        let (k, s) = key(&format!("dirty-{i}"));
+        l.record_local(&k, &s, 1, i, 1);
+    }
+    assert!(l.bytes() <= 64 * 1024, "{}", l.bytes());
+    assert_eq!(l.evicted.load(Ordering::Relaxed), 0);
+    let dropped = l.dropped_usage.load(Ordering::Relaxed);
+    let (_, pending, _) = l.pending();
+    assert_eq!(pending + dropped as i64, 5_000, "kept or counted");
+    assert!(dropped > 0);
+
+    // Keys Redis confirmed hold nothing to replay: they make room.
+    let l = Ledger::with_max_bytes(1_000_000, 64 * 1024);
+    for i in 0..5_000u64 {
+        let (k, s) = key(&format!("clean-{i}"));
+        l.record_redis(&k, &s, 1_000, i, &item(1, 99, 1, 1));
+    }
+    assert!(l.bytes() <= 64 * 1024, "{}", l.bytes());
+    assert!(l.evicted.load(Ordering::Relaxed) > 4_000);
+    assert_eq!(
+        l.untracked.load(Ordering::Relaxed),
+        0,
+        "every new key found room"
+    );
+}

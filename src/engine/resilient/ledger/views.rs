@@ -61,16 +61,19 @@ impl Ledger {
         for shard in &self.shards {
             let mut map = shard.lock();
             let before = map.len();
-            map.retain(|_, e| {
+            let mut freed = 0;
+            map.retain(|k, e| {
                 e.windows
                     .retain(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms));
                 if e.windows.is_empty() {
                     // Nothing live is left to repair.
                     e.suspect = false;
+                    freed += super::entry_cost(k);
                 }
                 !e.windows.is_empty()
             });
             self.len.fetch_sub(before - map.len(), Ordering::Relaxed);
+            self.bytes.fetch_sub(freed, Ordering::Relaxed);
         }
     }
     /// The `n` busiest keys with their specs, for /status: keys used in

@@ -269,6 +269,8 @@ impl Rig {
             lease_min_share: 0.025,
             replicas_hint: 1,
             ledger_max_keys: 1_000,
+            ledger_max_bytes: usize::MAX,
+            local_max_bytes: crate::engine::memory::DEFAULT_MAX_BYTES,
             breaker: BreakerConfig {
                 failures_to_trip: 3,
                 probe_interval_ms: 500,
