@@ -21,6 +21,9 @@ command -v chromium >/dev/null || missing+=(chromium)
 # The kernel black hole: a network namespace (iproute2) with iptables DROP rules.
 command -v ip >/dev/null || missing+=(iproute2)
 command -v iptables >/dev/null || missing+=(iptables)
+# libFuzzer (the fuzz targets) is C++; openssl makes the TLS tests' certificates.
+command -v c++ >/dev/null || missing+=(g++)
+command -v openssl >/dev/null || missing+=(openssl)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing Debian packages: ${missing[*]}"
   as_root apt-get update -qq
