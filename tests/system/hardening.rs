@@ -388,3 +388,28 @@ async fn hostile_rules_on_reload_keep_the_old_rules_without_a_memory_spike() {
     );
     println!("RSS before {before} KiB, peak during hostile reloads {peak} KiB");
 }
+
+/// The gRPC port advertises its concurrent-stream limit in its HTTP/2
+/// SETTINGS (`grpc_max_concurrent_streams`, 1024 by default): past it a
+/// client's new calls wait for a stream instead of piling up in the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_advertises_its_concurrent_stream_limit() {
+    let dir = test_dir("streams");
+    let rules = write_rules(&dir, "h.yaml", RULES);
+    for (setting, want) in [(None, 1024), (Some("7"), 7)] {
+        let env: Vec<(&str, &str)> = setting
+            .map(|v| vec![("LEASEHOLD_GRPC_MAX_CONCURRENT_STREAMS", v)])
+            .unwrap_or_default();
+        let server = Leasehold::start("leasehold", &rules, &[], &env, &dir);
+        let tcp = tokio::net::TcpStream::connect(server.grpc)
+            .await
+            .expect("connect");
+        let (_send, mut conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while conn.max_concurrent_send_streams() != want && Instant::now() < deadline {
+            // Drives the connection so the server's SETTINGS are read.
+            let _ = tokio::time::timeout(Duration::from_millis(50), &mut conn).await;
+        }
+        assert_eq!(conn.max_concurrent_send_streams(), want, "{setting:?}");
+    }
+}
