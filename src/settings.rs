@@ -51,6 +51,12 @@ pub struct Settings {
     pub http_header_timeout_ms: u64,
     /// Most concurrent gRPC calls on one connection (HTTP/2 streams).
     pub grpc_max_concurrent_streams: u32,
+    /// An HTTP/2 PING is sent on a gRPC connection this often, in
+    /// milliseconds, and the connection is closed when one goes unanswered
+    /// for `grpc_keepalive_timeout_ms`: a peer that vanished (or stopped
+    /// reading) does not hold its connection forever.
+    pub grpc_keepalive_interval_ms: u64,
+    pub grpc_keepalive_timeout_ms: u64,
     /// TLS on the gRPC port: certificate chain (PEM). With `grpc_tls_key`.
     /// The files are checked every second and reloaded when they change.
     pub grpc_tls_cert: Option<PathBuf>,
@@ -188,6 +194,8 @@ impl Default for Settings {
             http_max_connections: 1024,
             http_header_timeout_ms: 30_000,
             grpc_max_concurrent_streams: 1024,
+            grpc_keepalive_interval_ms: 30_000,
+            grpc_keepalive_timeout_ms: 10_000,
             grpc_tls_cert: None,
             grpc_tls_key: None,
             grpc_tls_client_ca: None,
@@ -353,6 +361,11 @@ impl Settings {
                 "grpc_max_concurrent_streams",
                 u64::from(self.grpc_max_concurrent_streams),
             ),
+            (
+                "grpc_keepalive_interval_ms",
+                self.grpc_keepalive_interval_ms,
+            ),
+            ("grpc_keepalive_timeout_ms", self.grpc_keepalive_timeout_ms),
         ] {
             if v == 0 {
                 return Err(invalid(key, "must be greater than 0"));

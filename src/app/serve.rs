@@ -79,8 +79,12 @@ pub(super) async fn start(
     // limit is generous; keepalive pings end connections whose peer is gone.
     let grpc = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(settings.grpc_max_concurrent_streams))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .http2_keepalive_interval(Some(Duration::from_millis(
+            settings.grpc_keepalive_interval_ms,
+        )))
+        .http2_keepalive_timeout(Some(Duration::from_millis(
+            settings.grpc_keepalive_timeout_ms,
+        )))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -413,3 +413,52 @@ async fn grpc_advertises_its_concurrent_stream_limit() {
         assert_eq!(conn.max_concurrent_send_streams(), want, "{setting:?}");
     }
 }
+
+/// A gRPC peer that opens a connection and then stops answering (it sent
+/// its HTTP/2 preface and reads nothing more) is cut off by the keepalive
+/// PING going unanswered; here with a 300 ms interval and timeout.
+#[test]
+fn a_grpc_peer_that_stops_answering_is_cut_off_by_keepalive() {
+    let dir = test_dir("keepalive");
+    let rules = write_rules(&dir, "h.yaml", RULES);
+    let server = Leasehold::start(
+        "leasehold",
+        &rules,
+        &[],
+        &[
+            ("LEASEHOLD_GRPC_KEEPALIVE_INTERVAL_MS", "300"),
+            ("LEASEHOLD_GRPC_KEEPALIVE_TIMEOUT_MS", "300"),
+        ],
+        &dir,
+    );
+    let mut peer = TcpStream::connect(server.grpc).expect("connect");
+    // The client preface and an empty SETTINGS frame, then silence: no
+    // SETTINGS ACK and no PING ACK ever.
+    peer.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .expect("preface");
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    // Whatever the server wrote meanwhile (its SETTINGS, PINGs, a GOAWAY)
+    // is read now; the connection must be closed by the end of it.
+    peer.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 4096];
+    let closed = loop {
+        match peer.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                break false
+            }
+            Err(_) => break true,
+        }
+    };
+    assert!(
+        closed,
+        "the silent peer still holds its connection after {:?}",
+        started.elapsed()
+    );
+}
