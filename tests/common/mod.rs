@@ -24,6 +24,15 @@ pub fn free_port() -> u16 {
     leasehold::ops::process::free_port().expect("bind a free loopback port")
 }
 
+/// `N` distinct loopback ports that were free a moment ago: each is held
+/// until all are chosen, so two of them can never be the same.
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port"))
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().expect("local addr").port())
+}
+
 /// Path of an external command the test needs; panics with the install hint
 /// when it is missing, so a test never skips silently.
 pub fn require(cmd: &str) -> PathBuf {
@@ -92,13 +101,15 @@ impl Leasehold {
         env: &[(&str, &str)],
         log_dir: &Path,
     ) -> Leasehold {
-        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        // Distinct ports: two listeners on one port is a settings error.
+        let [grpc_port, http_port, admin_port] = free_ports();
+        let grpc: SocketAddr = format!("127.0.0.1:{grpc_port}").parse().expect("addr");
+        let http: SocketAddr = format!("127.0.0.1:{http_port}").parse().expect("addr");
         // A free admin port, unless the caller chose one.
         let chosen = extra.iter().position(|a| *a == "--admin-addr");
         let admin: SocketAddr = match chosen {
             Some(i) => extra[i + 1].parse().expect("admin addr"),
-            None => format!("127.0.0.1:{}", free_port()).parse().expect("addr"),
+            None => format!("127.0.0.1:{admin_port}").parse().expect("addr"),
         };
         let mut cmd = Command::new(leasehold_bin());
         cmd.arg("serve")

@@ -255,13 +255,13 @@ fn sigterm_during_startup_is_an_orderly_stop() {
     // Accepts (the kernel completes the handshake) and never answers.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let redis_url = format!("redis://{}", silent.local_addr().expect("addr"));
-    let port = |_| crate::common::free_port().to_string();
+    let [g, h, a] = crate::common::free_ports();
     let mut cmd = std::process::Command::new(crate::common::leasehold_bin());
     cmd.args(["serve", "--rules"])
         .arg(&rules)
-        .args(["--grpc-addr", &format!("127.0.0.1:{}", port(0))])
-        .args(["--http-addr", &format!("127.0.0.1:{}", port(1))])
-        .args(["--admin-addr", &format!("127.0.0.1:{}", port(2))])
+        .args(["--grpc-addr", &format!("127.0.0.1:{g}")])
+        .args(["--http-addr", &format!("127.0.0.1:{h}")])
+        .args(["--admin-addr", &format!("127.0.0.1:{a}")])
         .args(["--redis-url", &redis_url]);
     let mut proc = crate::common::spawn("leasehold", &mut cmd, &dir);
     std::thread::sleep(Duration::from_millis(300));

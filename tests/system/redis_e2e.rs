@@ -218,9 +218,10 @@ async fn start_under_faketime(
     env: &[(&str, &str)],
     dir: &Path,
 ) -> (common::Proc, String, std::net::SocketAddr) {
-    let grpc = format!("127.0.0.1:{}", free_port());
-    let http = format!("127.0.0.1:{}", free_port());
-    let admin = format!("127.0.0.1:{}", free_port());
+    let [g, h, a] = common::free_ports();
+    let grpc = format!("127.0.0.1:{g}");
+    let http = format!("127.0.0.1:{h}");
+    let admin = format!("127.0.0.1:{a}");
     let mut cmd = Command::new(common::leasehold_bin());
     cmd.env("LD_PRELOAD", libfaketime())
         .env("FAKETIME", offset)
@@ -703,14 +704,15 @@ async fn a_live_duplicate_replica_id_is_refused() {
         &redis_env(&url, "500"),
         &dir,
     );
+    let [g, h, a] = common::free_ports();
     let mut cmd = Command::new(common::leasehold_bin());
     cmd.args(["serve", "--rules"]).arg(&r).args([
         "--grpc-addr",
-        &format!("127.0.0.1:{}", free_port()),
+        &format!("127.0.0.1:{g}"),
         "--http-addr",
-        &format!("127.0.0.1:{}", free_port()),
+        &format!("127.0.0.1:{h}"),
         "--admin-addr",
-        &format!("127.0.0.1:{}", free_port()),
+        &format!("127.0.0.1:{a}"),
         "--replica-id",
         "same",
     ]);
