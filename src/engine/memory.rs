@@ -13,6 +13,7 @@
 //! evicted key starts again from zero if it comes back: evictions are
 //! counted (`evictions` on /status, `leasehold_memory_evictions_total`).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -152,9 +153,16 @@ impl MemoryEngine {
                     expires_at_ms,
                     cost,
                 };
-                match guard.map.insert(key.clone(), slot) {
-                    Some(old) => guard.bytes = guard.bytes + cost - old.cost,
-                    None => {
+                // Only a new key can take the shard past its cap (and only
+                // it needs its key kept for the eviction that follows).
+                match guard.map.entry(key) {
+                    Entry::Occupied(mut o) => {
+                        let old = std::mem::replace(o.get_mut(), slot);
+                        guard.bytes = guard.bytes + cost - old.cost;
+                    }
+                    Entry::Vacant(v) => {
+                        let key = v.key().clone();
+                        v.insert(slot);
                         guard.bytes += cost;
                         self.evict_over_cap(guard, &key, now_ms);
                     }

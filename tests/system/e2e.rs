@@ -671,7 +671,8 @@ pub(crate) async fn start_upstream() -> (u16, tokio::task::JoinHandle<()>) {
 
 /// A real Envoy on free loopback ports, from the deployment template
 /// (`failure_mode_deny: false`, a descriptor from `x-user`, domain `edge`),
-/// calling leasehold at `grpc_port`, in front of [`start_upstream`].
+/// calling leasehold at `grpc_port`, in front of [`start_upstream`];
+/// returned once its admin `/ready` answers 200.
 pub(crate) async fn start_envoy(
     dir: &Path,
     grpc_port: u16,
@@ -717,6 +718,19 @@ pub(crate) async fn start_envoy(
     let envoy_proc = common::spawn("envoy", &mut cmd, dir);
     let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().expect("addr");
     let ingress: std::net::SocketAddr = format!("127.0.0.1:{listen_port}").parse().expect("addr");
+    let up = tokio::task::spawn_blocking(move || {
+        wait_until(Duration::from_secs(30), || {
+            get(admin, "/ready").is_ok_and(|r| r.status == 200)
+        })
+    })
+    .await
+    .expect("join");
+    assert!(
+        up,
+        "envoy did not become ready:
+{}",
+        envoy_proc.log_text()
+    );
     (envoy_proc, admin, ingress, upstream)
 }
 
@@ -725,14 +739,8 @@ async fn envoy_ext_ratelimit_filter_gets_200_then_429_with_headers() {
     let dir = test_dir("envoy");
     let rules = write_rules(&dir, "e2e.yaml", "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 3}\n");
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
-    let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port(), "").await;
+    let (envoy_proc, _admin, ingress, upstream) = start_envoy(&dir, server.grpc.port(), "").await;
     let results = tokio::task::spawn_blocking(move || {
-        let up = wait_until(Duration::from_secs(30), || {
-            get(admin, "/ready")
-                .map(|r| r.status == 200)
-                .unwrap_or(false)
-        });
-        assert!(up, "envoy did not become ready:\n{}", envoy_proc.log_text());
         let mut results = Vec::new();
         for _ in 0..5 {
             let r = http("GET", ingress, "/hello", &[("x-user", "dave")], "")
@@ -782,12 +790,6 @@ async fn envoy_limits_a_client_with_an_oversize_header_value() {
     let server = Leasehold::start("leasehold", &rules, &[], &[], &dir);
     let (envoy_proc, admin, ingress, upstream) = start_envoy(&dir, server.grpc.port(), "").await;
     let results = tokio::task::spawn_blocking(move || {
-        let up = wait_until(Duration::from_secs(30), || {
-            get(admin, "/ready")
-                .map(|r| r.status == 200)
-                .unwrap_or(false)
-        });
-        assert!(up, "envoy did not become ready:\n{}", envoy_proc.log_text());
         let mut statuses = Vec::new();
         // 5,000 bytes (the size that got through before) and 50,000, under
         // Envoy's own 60 KiB header limit; a second long user beside them.

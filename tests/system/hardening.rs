@@ -53,6 +53,8 @@ async fn trickled_headers_are_cut_off_and_starve_nothing() {
         "leasehold",
         &rules,
         &[],
+        // 2 s instead of the default 30 s only to keep the test short; the
+        // default's bound is a settings unit test.
         &[("LEASEHOLD_HTTP_HEADER_TIMEOUT_MS", "2000")],
         &dir,
     );
@@ -146,6 +148,8 @@ fn connections_past_the_limit_are_closed_at_once() {
         "leasehold",
         &rules,
         &[],
+        // 20 instead of 1024 so the test opens few sockets; the mechanism
+        // is the same.
         &[("LEASEHOLD_HTTP_MAX_CONNECTIONS", "20")],
         &dir,
     );
@@ -425,6 +429,7 @@ fn a_grpc_peer_that_stops_answering_is_cut_off_by_keepalive() {
         "leasehold",
         &rules,
         &[],
+        // 300 ms instead of 30 s / 10 s only to keep the test short.
         &[
             ("LEASEHOLD_GRPC_KEEPALIVE_INTERVAL_MS", "300"),
             ("LEASEHOLD_GRPC_KEEPALIVE_TIMEOUT_MS", "300"),
