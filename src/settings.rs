@@ -87,7 +87,10 @@ pub struct Settings {
     pub memory_max_bytes: usize,
     /// How often expired in-memory counters are dropped, in milliseconds.
     pub sweep_interval_ms: u64,
-    /// Redis URL (redis://[user:password@]host:port[/db], rediss:// for TLS).
+    /// Redis URL: redis://[user:password@]host:port[/db] for one Redis,
+    /// redis-cluster://…?node=host:port&… for a Cluster,
+    /// redis-sentinel://…?sentinelServiceName=NAME&node=… for Sentinel;
+    /// rediss… for TLS.
     /// Unset: the in-memory engine decides alone.
     pub redis_url: Option<String>,
     /// TLS to Redis (`rediss://`): the CA that signed Redis's certificate
@@ -399,15 +402,7 @@ impl Settings {
     /// membership.
     fn validate_redis(&self) -> Result<(), SettingsError> {
         if let Some(url) = &self.redis_url {
-            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-                return Err(invalid(
-                    "redis_url",
-                    format!(
-                        "'{}' must start with redis:// or rediss://",
-                        crate::redis::redact_url(url)
-                    ),
-                ));
-            }
+            crate::redis::check_url(url).map_err(|e| invalid("redis_url", e))?;
         }
         match (&self.redis_tls_cert, &self.redis_tls_key) {
             (Some(_), None) => {
@@ -428,11 +423,11 @@ impl Settings {
             && !self
                 .redis_url
                 .as_deref()
-                .is_some_and(|u| u.starts_with("rediss://"))
+                .is_some_and(crate::redis::is_tls_url)
         {
             return Err(invalid(
                 "redis_tls_ca",
-                "redis_tls_ca, redis_tls_cert and redis_tls_key need a rediss:// redis_url",
+                "redis_tls_ca, redis_tls_cert and redis_tls_key need a TLS redis_url (rediss://, rediss-cluster:// or rediss-sentinel://)",
             ));
         }
         if self.redis_prefix.contains(['{', '}']) {

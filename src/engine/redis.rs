@@ -52,7 +52,9 @@ use crate::domain::backend::{Backend, CallError, Members, Presume, RawReply, Rep
 use crate::domain::{Batch, BatchOutcome, EngineError};
 use crate::redis::membership::{MemberState, Membership, MembershipError};
 use crate::redis::scripts::{self, DecideCall, DecideReply, REPLAY_BATCH};
-use crate::redis::Redis;
+use crate::redis::{keys, Redis};
+
+mod slots;
 
 /// The Redis engine: the adapter from the [`Backend`] contract (and the
 /// plain [`Engine`] one) to `crate::redis`.
@@ -65,6 +67,10 @@ pub struct RedisEngine {
     calls: AtomicU64,
     /// Distinguishes this incarnation's call ids from a previous one's.
     boot: String,
+    /// Requests whose counters were in several Cluster slots, and those of
+    /// them whose charges had to be taken back ([`slots`]).
+    cross_slot: AtomicU64,
+    cross_slot_refunds: AtomicU64,
 }
 
 /// The Redis engine's facts for /status.
@@ -79,10 +85,10 @@ pub struct RedisStatus {
     /// carried (more decisions than calls: requests were coalesced).
     pub decision_calls: u64,
     pub decisions_sent: u64,
-}
-
-fn not_registered() -> CallError {
-    CallError::NotConnected("this replica is not registered with Redis yet".into())
+    /// Requests decided across several Cluster slots, and those whose
+    /// charges were taken back because one slot denied.
+    pub cross_slot_requests: u64,
+    pub cross_slot_refunds: u64,
 }
 
 impl RedisEngine {
@@ -105,7 +111,21 @@ impl RedisEngine {
             epoch: AtomicU64::new(epoch_start.max(1)),
             calls: AtomicU64::new(0),
             boot,
+            cross_slot: AtomicU64::new(0),
+            cross_slot_refunds: AtomicU64::new(0),
         }
+    }
+
+    /// This replica's field index, or why it may not count on Redis (a
+    /// call that never left).
+    fn not_counting(&self) -> Result<u64, CallError> {
+        self.membership
+            .index()
+            .ok_or_else(|| CallError::NotConnected(self.membership.not_counting_reason()))
+    }
+
+    fn stats_cross_slot_refund(&self) {
+        self.cross_slot_refunds.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn membership(&self) -> &Arc<Membership> {
@@ -148,7 +168,12 @@ impl RedisEngine {
             boot: &self.boot,
         };
         let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
-        match self.redis.decide(keys, args, affinity(batch)).await {
+        let slot = batch
+            .charges
+            .first()
+            .map(|c| crate::redis::keys::counter_slot(&c.key))
+            .unwrap_or(0);
+        match self.redis.decide(slot, keys, args, affinity(batch)).await {
             Ok(reply) => {
                 scripts::decode_decide(&reply, batch.charges.len()).map_err(CallError::Reply)
             }
@@ -170,7 +195,28 @@ impl RedisEngine {
         expected: &[(i64, u64)],
         presume: &Presume,
     ) -> Result<RawReply, CallError> {
-        let index = self.membership.index().ok_or_else(not_registered)?;
+        let index = self.not_counting()?;
+        if self.redis.is_cluster() {
+            let groups = slots::slot_groups(batch);
+            if groups.len() > 1 {
+                self.cross_slot.fetch_add(1, Ordering::Relaxed);
+                return self
+                    .decide_across_slots(batch, &groups, index, expected, presume)
+                    .await;
+            }
+        }
+        self.decide_in_slot(batch, index, expected, presume).await
+    }
+
+    /// One script call for charges that share a slot (any charges on one
+    /// Redis), retried once when fenced.
+    async fn decide_in_slot(
+        &self,
+        batch: &Batch,
+        index: u64,
+        expected: &[(i64, u64)],
+        presume: &Presume,
+    ) -> Result<RawReply, CallError> {
         match self.call(batch, index, expected, presume).await? {
             DecideReply::Decided(reply) => Ok(reply),
             // Fenced: a rewrite happened after this call's epoch was read.
@@ -191,11 +237,18 @@ impl RedisEngine {
         entries: &[ReplayEntry],
         deadline: Duration,
     ) -> Result<u64, CallError> {
-        let index = self.membership.index().ok_or_else(not_registered)?;
-        // Group by hash tag so each call stays in one slot.
-        let mut groups: HashMap<&str, Vec<&ReplayEntry>> = HashMap::new();
+        let index = self.not_counting()?;
+        // On a Cluster each call keeps to one slot; one Redis takes any
+        // keys in one call.
+        let cluster = self.redis.is_cluster();
+        let mut groups: HashMap<u16, Vec<&ReplayEntry>> = HashMap::new();
         for e in entries {
-            groups.entry(e.key.split_tag().0).or_default().push(e);
+            let slot = if cluster {
+                keys::counter_slot(&e.key)
+            } else {
+                0
+            };
+            groups.entry(slot).or_default().push(e);
         }
         let mut applied = 0;
         for group in groups.values() {
@@ -244,6 +297,8 @@ impl RedisEngine {
             epoch: self.epoch(),
             decision_calls,
             decisions_sent,
+            cross_slot_requests: self.cross_slot.load(Ordering::Relaxed),
+            cross_slot_refunds: self.cross_slot_refunds.load(Ordering::Relaxed),
         }
     }
 }
@@ -293,7 +348,14 @@ impl Backend for RedisEngine {
                 .copied()
                 .filter(|i| Some(*i) != state.index)
                 .collect(),
-            silent: state.silent_indices.clone(),
+            // Never itself: its own beats may still read as silent for a
+            // beat after it is back on Redis.
+            silent: state
+                .silent_indices
+                .iter()
+                .copied()
+                .filter(|i| Some(*i) != state.index)
+                .collect(),
         }
     }
 

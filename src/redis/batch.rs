@@ -3,6 +3,12 @@
 //! decides them one after the other (`decide.lua`, batch form), each
 //! all-or-nothing on its own. An idle connection sends a call at once.
 //!
+//! On a Redis Cluster a script call must keep to one slot, so only calls
+//! for one slot are sent together: a batch takes the queue's first call and
+//! the later ones for its slot, and leaves the others, in their order, for
+//! the next batch. The calls bound for one node are pipelined on its
+//! connection either way.
+//!
 //! What stays true per request: the order of calls for one key (they share
 //! a connection and its queue is first in, first out, with one call in
 //! flight at a time), the epoch fence (each request carries its own), and
@@ -24,6 +30,8 @@ pub const MAX_BATCH: usize = 32;
 type Reply = Result<Vec<i64>, CallError>;
 
 struct Queued {
+    /// The Cluster slot of every key (0 on one Redis).
+    slot: u16,
     keys: Vec<String>,
     args: Vec<Value>,
     reply: oneshot::Sender<Reply>,
@@ -57,6 +65,7 @@ impl Redis {
     /// waits for its reply.
     pub(super) async fn decide_coalesced(
         self: &Arc<Self>,
+        slot_of_keys: u16,
         keys: Vec<String>,
         args: Vec<Value>,
         affinity: u64,
@@ -66,6 +75,7 @@ impl Redis {
         let start = {
             let mut s = self.queues.slots[slot].lock();
             s.queue.push(Queued {
+                slot: slot_of_keys,
                 keys,
                 args,
                 reply: tx,
@@ -92,8 +102,7 @@ impl Redis {
                     s.sending = false;
                     return;
                 }
-                let n = s.queue.len().min(MAX_BATCH);
-                s.queue.drain(..n).collect()
+                take_batch(&mut s.queue)
             };
             self.batches
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -154,6 +163,29 @@ impl Redis {
     }
 }
 
+/// The next batch: the first call queued and up to [`MAX_BATCH`] − 1 later
+/// ones for its slot, in order; the rest stay queued in order.
+fn take_batch(queue: &mut Vec<Queued>) -> Vec<Queued> {
+    let Some(slot) = queue.first().map(|q| q.slot) else {
+        return Vec::new();
+    };
+    if queue.iter().all(|q| q.slot == slot) {
+        let n = queue.len().min(MAX_BATCH);
+        return queue.drain(..n).collect();
+    }
+    let mut batch = Vec::new();
+    let mut rest = Vec::with_capacity(queue.len());
+    for q in queue.drain(..) {
+        if q.slot == slot && batch.len() < MAX_BATCH {
+            batch.push(q);
+        } else {
+            rest.push(q);
+        }
+    }
+    *queue = rest;
+    batch
+}
+
 /// A batch reply, `{len, reply...}` per request, split into `n` replies.
 fn split(flat: &[i64], n: usize) -> Result<Vec<Vec<i64>>, CallError> {
     let mut out = Vec::with_capacity(n);
@@ -195,5 +227,26 @@ mod tests {
         assert!(split(&flat, 2).is_err(), "items left over");
         assert!(split(&flat, 4).is_err(), "too short");
         assert!(split(&[5, 1], 1).is_err(), "announces more than it has");
+    }
+
+    #[test]
+    fn a_batch_keeps_to_the_slot_of_its_first_call() {
+        let call = |slot: u16, n: i64| Queued {
+            slot,
+            keys: Vec::new(),
+            args: vec![Value::Integer(n)],
+            reply: oneshot::channel().0,
+        };
+        let mut queue = vec![call(7, 1), call(9, 2), call(7, 3), call(9, 4), call(7, 5)];
+        let order = |calls: &[Queued]| -> Vec<i64> {
+            calls.iter().filter_map(|q| q.args[0].as_i64()).collect()
+        };
+        assert_eq!(order(&take_batch(&mut queue)), [1, 3, 5]);
+        assert_eq!(order(&queue), [2, 4]);
+        assert_eq!(order(&take_batch(&mut queue)), [2, 4]);
+        assert!(queue.is_empty() && take_batch(&mut queue).is_empty());
+        let mut many: Vec<Queued> = (0..40).map(|n| call(1, n)).collect();
+        assert_eq!(take_batch(&mut many).len(), MAX_BATCH);
+        assert_eq!(many.len(), 40 - MAX_BATCH);
     }
 }

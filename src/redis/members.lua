@@ -10,9 +10,17 @@
 -- KEYS[6]  incarnation: a token created once per Redis dataset; when it
 --          changes, Redis lost its data (restarted empty or failed over)
 -- KEYS[7]  on Redis: sorted set, id -> last beat made while deciding on Redis
+-- KEYS[8]  layouts: hash, id -> the key layout it counts in (none: layout 1,
+--          the releases before layout versions)
+-- KEYS[9]  the layout whose windows are in place: deleted while a live
+--          member counts in an older one, whose windows must then be moved
+--          again once it has left
 -- ARGV[1]  replica id, ARGV[2] incarnation nonce, ARGV[3] TTL in ms,
 -- ARGV[4]  "beat" (register or refresh, deciding on Redis), "away" (the
---          same while deciding off Redis, on leases) or "leave",
+--          same while deciding off Redis, on leases), "held" (away, and
+--          kept off Redis by members of an older layout: recorded as silent
+--          at once, so that they hold back its share although it never
+--          decided on Redis) or "leave",
 -- ARGV[5]  the index this replica used before (0: none): after Redis lost
 --          its data, a replica gets its old index back when it is free, so
 --          its counter fields keep their meaning
@@ -24,17 +32,19 @@
 --          member is silent until its first "beat" after it is back on
 --          Redis, so the others never stop holding back its share while
 --          it may still grant on its lease unseen.
--- ARGV[7]  the call's token, returned as the reply's last item
+-- ARGV[7]  the key layout this replica counts in
+-- ARGV[8]  the call's token, returned as the reply's last item
 --
 -- Reply: {1, index, now_ms, incarnation, {live ids}, {their indices},
--- {silent members' indices}, {known members' indices}} on success; {0, other nonce} when
+-- {silent members' indices}, {known members' indices}, {live members'
+-- layouts}} on success; {0, other nonce} when
 -- another live incarnation owns the id (two writers of one field would
 -- corrupt replay, so the caller must not use it).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, nonce, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local holdback = tonumber(ARGV[6]) or 0
-local token = tonumber(ARGV[7])
+local token = tonumber(ARGV[8])
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= nonce then
   return {0, owner, token}
@@ -43,12 +53,16 @@ if ARGV[4] == 'leave' then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], id)
   redis.call('ZREM', KEYS[7], id)
+  redis.call('HDEL', KEYS[8], id)
   return {1, 0, now, token}
 end
 redis.call('SET', KEYS[1], nonce, 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, id)
+redis.call('HSET', KEYS[8], id, ARGV[7])
 if ARGV[4] == 'beat' then
   redis.call('ZADD', KEYS[7], now, id)
+elseif ARGV[4] == 'held' then
+  redis.call('ZADD', KEYS[7], now - ttl - 1, id)
 end
 -- Forget members silent for a day; their index stays reserved.
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 86400000)
@@ -71,7 +85,7 @@ if not idx then
   redis.call('HSET', KEYS[3], id, idx)
 end
 -- The registry outlives its members by a day, then disappears.
-for k = 2, 7 do
+for k = 2, 9 do
   redis.call('PEXPIRE', KEYS[k], 86400000)
 end
 local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - ttl, '+inf')
@@ -93,5 +107,15 @@ end
 -- themselves, so a member whose heartbeats lapsed during a flap is not
 -- left out.
 local known = redis.call('ZRANGEBYSCORE', KEYS[2], now - math.max(holdback, ttl), '+inf')
+local layouts = {}
+if #live > 0 then
+  local mine = tonumber(ARGV[7])
+  for i, v in ipairs(redis.call('HMGET', KEYS[8], unpack(live))) do
+    layouts[i] = tonumber(v) or 1
+    if layouts[i] < mine then
+      redis.call('DEL', KEYS[9])
+    end
+  end
+end
 return {1, tonumber(idx), now, incarnation, live, indices(live), indices(silent),
-        indices(known), token}
+        indices(known), layouts, token}

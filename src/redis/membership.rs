@@ -3,6 +3,13 @@
 //! exclusively through an owner key holding its incarnation nonce: a second
 //! live process with the same id is refused, because two writers of one
 //! counter field would corrupt replay.
+//!
+//! Each beat also announces this replica's key layout and learns the live
+//! members' ([`super::keys`], "Layout versions"): while one of them counts
+//! in an older layout, or the older layout's windows have not been moved
+//! yet ([`super::migrate`]), this replica holds no index to count with, so
+//! it decides on its lease, and its beats say "held" so the others hold
+//! its share back.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,6 +20,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use super::migrate::LayoutState;
 use super::{keys, CallError, Redis};
 
 /// What this replica knows about membership.
@@ -39,6 +47,34 @@ pub struct MemberState {
     pub incarnation: Option<String>,
     /// Times the incarnation changed: each one means Redis lost its data.
     pub reregistrations: u64,
+    /// The key layout this replica counts in.
+    pub layout: u32,
+    /// Live members that count in an older layout (`id (layout n)`): this
+    /// replica does not count on Redis while there are any.
+    pub older_layouts: Vec<String>,
+    /// Live members that count in a newer layout: they wait for this one.
+    pub newer_layouts: Vec<String>,
+    /// The current layout's windows are in place (migrated or nothing to
+    /// migrate).
+    pub layout_ready: bool,
+    /// Keys moved from an older layout by this replica.
+    pub migrated_keys: u64,
+}
+
+/// The live members announcing an older and a newer layout than `mine`
+/// (`id (layout n)` each), from the ids and layouts of a beat's reply.
+fn compare_layouts(live: &[String], layouts: &[u64], mine: u32) -> (Vec<String>, Vec<String>) {
+    let mut older = Vec::new();
+    let mut newer = Vec::new();
+    for (id, &layout) in live.iter().zip(layouts) {
+        let described = format!("{id} (layout {layout})");
+        match layout.cmp(&u64::from(mine)) {
+            std::cmp::Ordering::Less => older.push(described),
+            std::cmp::Ordering::Greater => newer.push(described),
+            std::cmp::Ordering::Equal => {}
+        }
+    }
+    (older, newer)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +87,8 @@ pub enum MembershipError {
 
 pub struct Membership {
     redis: Arc<Redis>,
-    keys: [String; 7],
+    prefix: String,
+    keys: [String; 9],
     id: String,
     nonce: String,
     ttl: Duration,
@@ -62,7 +99,28 @@ pub struct Membership {
     /// others keep holding back its share (see members.lua).
     on_redis: AtomicBool,
     state: RwLock<MemberState>,
+    /// Held while a migration runs, so beats from the heartbeat loop and
+    /// from a probe never start two.
+    migrating: tokio::sync::Mutex<()>,
 }
+
+/// The layout this replica announces: [`keys::LAYOUT`]; test builds only
+/// may announce another (`LH_FAULT_LAYOUT`), so the tests can run replicas
+/// of two layouts with one binary.
+fn announced_layout() -> u32 {
+    #[cfg(debug_assertions)]
+    if let Some(n) = std::env::var("LH_FAULT_LAYOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return n;
+    }
+    keys::LAYOUT
+}
+
+/// How long one migration attempt may run; one cut short is picked up by
+/// the next beat (keys already moved are not found again).
+const MIGRATION_BUDGET: Duration = Duration::from_secs(30);
 
 impl Membership {
     pub fn new(
@@ -76,6 +134,7 @@ impl Membership {
     ) -> Self {
         Membership {
             keys: keys::membership(prefix, &id),
+            prefix: prefix.to_owned(),
             redis,
             id,
             nonce,
@@ -83,7 +142,11 @@ impl Membership {
             every,
             holdback,
             on_redis: AtomicBool::new(true),
-            state: RwLock::new(MemberState::default()),
+            state: RwLock::new(MemberState {
+                layout: announced_layout(),
+                ..MemberState::default()
+            }),
+            migrating: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -100,9 +163,34 @@ impl Membership {
         self.state.read().clone()
     }
 
+    /// The field index to count with: None while another incarnation
+    /// owns the id, or the layout keeps this replica off Redis.
     pub fn index(&self) -> Option<u64> {
         let s = self.state.read();
-        s.conflict.is_none().then_some(s.index).flatten()
+        (s.conflict.is_none() && s.older_layouts.is_empty() && s.layout_ready)
+            .then_some(s.index)
+            .flatten()
+    }
+
+    /// Why [`Membership::index`] is None, for errors and /status.
+    pub fn not_counting_reason(&self) -> String {
+        let s = self.state.read();
+        if let Some(other) = &s.conflict {
+            format!(
+                "replica id '{}' is owned by another live incarnation ({other})",
+                self.id
+            )
+        } else if !s.older_layouts.is_empty() {
+            format!(
+                "live replicas count in an older key layout than this one's ({}): {}; this replica decides on its lease until they have left",
+                s.layout,
+                s.older_layouts.join(", ")
+            )
+        } else if s.index.is_some() && !s.layout_ready {
+            "the older layout's windows are being moved to their current names".to_owned()
+        } else {
+            "this replica is not registered with Redis yet".to_owned()
+        }
     }
 
     async fn call(&self, action: &str) -> Result<Vec<Value>, CallError> {
@@ -113,6 +201,7 @@ impl Membership {
             action,
             self.state.read().index.unwrap_or(0),
             self.holdback.as_millis(),
+            self.state.read().layout,
         );
         // Membership is off the request path: give it a budget that a slow
         // but healthy Redis meets.
@@ -122,7 +211,13 @@ impl Membership {
 
     /// One heartbeat: registers or refreshes, and updates the live list.
     pub async fn beat(&self) -> Result<(), MembershipError> {
-        let action = if self.on_redis.load(Ordering::Relaxed) {
+        let held = {
+            let s = self.state.read();
+            s.index.is_some() && (!s.older_layouts.is_empty() || !s.layout_ready)
+        };
+        let action = if held {
+            "held"
+        } else if self.on_redis.load(Ordering::Relaxed) {
             "beat"
         } else {
             "away"
@@ -141,7 +236,7 @@ impl Membership {
                     Some(Value::Array(items)) => items.clone(),
                     _ => Vec::new(),
                 };
-                let live = list(4).iter().filter_map(|v| v.as_string()).collect();
+                let live: Vec<String> = list(4).iter().filter_map(|v| v.as_string()).collect();
                 let numbers = |i: usize| -> Vec<u64> {
                     list(i)
                         .iter()
@@ -150,23 +245,48 @@ impl Membership {
                         .collect()
                 };
                 let incarnation = reply.get(3).and_then(|v| v.as_string());
-                let mut s = self.state.write();
-                if s.incarnation.is_some() && incarnation.is_some() && s.incarnation != incarnation
-                {
-                    s.reregistrations += 1;
-                    tracing::warn!(replica_id = %self.id, "Redis is a new dataset (restarted empty or failed over): its data is lost");
+                let (older, newer) = compare_layouts(&live, &numbers(8), self.layout());
+                let migrate = {
+                    let mut s = self.state.write();
+                    if s.incarnation.is_some()
+                        && incarnation.is_some()
+                        && s.incarnation != incarnation
+                    {
+                        s.reregistrations += 1;
+                        tracing::warn!(replica_id = %self.id, "Redis is a new dataset (restarted empty or failed over): its data is lost");
+                    }
+                    if incarnation.is_some() {
+                        s.incarnation = incarnation;
+                    }
+                    if older != s.older_layouts {
+                        if older.is_empty() {
+                            tracing::info!(replica_id = %self.id, "no live replica counts in an older key layout any more");
+                        } else {
+                            tracing::error!(replica_id = %self.id, layout = s.layout, older = ?older, "live replicas count in an older key layout: deciding on leases until they have left, then moving their windows to the current layout");
+                        }
+                    }
+                    if newer != s.newer_layouts && !newer.is_empty() {
+                        tracing::warn!(replica_id = %self.id, layout = s.layout, newer = ?newer, "live replicas count in a newer key layout; they decide on their leases until this replica has left (an upgrade in progress)");
+                    }
+                    if !older.is_empty() {
+                        // Their windows must be moved again once they have left.
+                        s.layout_ready = false;
+                    }
+                    s.older_layouts = older;
+                    s.newer_layouts = newer;
+                    s.index = int(reply.get(1)).map(|i| i as u64);
+                    s.last_beat_ms = int(reply.get(2)).map(|i| i as u64);
+                    s.live = live;
+                    s.live_indices = numbers(5);
+                    s.silent_indices = numbers(6);
+                    s.known_indices = numbers(7);
+                    s.conflict = None;
+                    s.last_error = None;
+                    s.older_layouts.is_empty() && !s.layout_ready
+                };
+                if migrate {
+                    self.ensure_layout().await?;
                 }
-                if incarnation.is_some() {
-                    s.incarnation = incarnation;
-                }
-                s.index = int(reply.get(1)).map(|i| i as u64);
-                s.last_beat_ms = int(reply.get(2)).map(|i| i as u64);
-                s.live = live;
-                s.live_indices = numbers(5);
-                s.silent_indices = numbers(6);
-                s.known_indices = numbers(7);
-                s.conflict = None;
-                s.last_error = None;
                 Ok(())
             }
             _ => {
@@ -177,6 +297,36 @@ impl Membership {
         }
     }
 
+    fn layout(&self) -> u32 {
+        self.state.read().layout
+    }
+
+    /// Moves an older layout's windows when no live member counts in it
+    /// any more (or finds them moved); until then this replica has no
+    /// index to count with.
+    async fn ensure_layout(&self) -> Result<(), MembershipError> {
+        let Ok(_running) = self.migrating.try_lock() else {
+            return Ok(());
+        };
+        let attempt = self.redis.ensure_layout(&self.prefix, &self.nonce);
+        let state = match tokio::time::timeout(MIGRATION_BUDGET, attempt).await {
+            Ok(r) => r?,
+            Err(_) => {
+                tracing::warn!(replica_id = %self.id, "moving the older layout's windows takes longer than {MIGRATION_BUDGET:?}; carrying on at the next heartbeat");
+                return Ok(());
+            }
+        };
+        if let LayoutState::Ready(moved) = state {
+            let mut s = self.state.write();
+            if moved.renamed + moved.merged > 0 {
+                tracing::info!(replica_id = %self.id, renamed = moved.renamed, merged = moved.merged, layout = s.layout, "moved the older layout's live windows to the current layout");
+            }
+            s.migrated_keys += moved.renamed + moved.merged;
+            s.layout_ready = true;
+        }
+        Ok(())
+    }
+
     /// Startup registration. A conflict is retried for a little longer than
     /// the TTL (a crashed predecessor's claim expires by then) and is then
     /// fatal. Redis being unreachable is not fatal: the heartbeat loop keeps
@@ -185,7 +335,14 @@ impl Membership {
         let start = Instant::now();
         loop {
             match self.beat().await {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    if !self.state.read().older_layouts.is_empty() {
+                        // Say at once that this replica is held back, before
+                        // it grants anything on its lease.
+                        let _ = self.beat().await;
+                    }
+                    return Ok(());
+                }
                 Err(MembershipError::Conflict(id)) => {
                     if start.elapsed() > self.ttl + self.ttl / 2 {
                         return Err(MembershipError::Conflict(id));
@@ -231,5 +388,19 @@ impl Membership {
             }
         }
         let _ = self.call("leave").await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_of_other_layouts_are_told_apart() {
+        let live = ["a", "b", "c", "d"].map(String::from);
+        let (older, newer) = compare_layouts(&live, &[2, 1, 3, 2], 2);
+        assert_eq!(older, ["b (layout 1)"]);
+        assert_eq!(newer, ["c (layout 3)"]);
+        assert_eq!(compare_layouts(&live, &[2, 2, 2, 2], 2), (vec![], vec![]));
     }
 }

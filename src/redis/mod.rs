@@ -18,6 +18,7 @@ mod batch;
 pub mod inspect;
 pub mod keys;
 pub mod membership;
+pub mod migrate;
 pub mod scripts;
 pub mod tls;
 
@@ -71,6 +72,7 @@ pub struct Redis {
     decide: Script,
     members: Script,
     replay: Script,
+    migrate: Script,
     /// The next call's token (see the module docs).
     tokens: AtomicU64,
     /// Decision calls waiting for their connection ([`batch`]).
@@ -82,18 +84,83 @@ pub struct Redis {
     pub display_url: String,
 }
 
-/// The URL with its password (if any) replaced by `***`.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
-            }
-        }
-        _ => url.to_owned(),
+/// The URL schemes `redis_url` accepts (fred's): one Redis, a Cluster (any
+/// node seeds the topology) or a primary behind Sentinel, each plain or TLS.
+pub const URL_SCHEMES: [&str; 6] = [
+    "redis://",
+    "rediss://",
+    "redis-cluster://",
+    "rediss-cluster://",
+    "redis-sentinel://",
+    "rediss-sentinel://",
+];
+
+/// Whether the URL asks for TLS (`rediss…://`).
+pub fn is_tls_url(url: &str) -> bool {
+    url.starts_with("rediss")
+}
+
+/// Whether a URL is well formed for fred: a known scheme and what its
+/// topology needs (a Sentinel service name, say). The error names the URL
+/// with its passwords redacted.
+pub fn check_url(url: &str) -> Result<(), String> {
+    if !URL_SCHEMES.iter().any(|s| url.starts_with(s)) {
+        return Err(format!(
+            "'{}' must start with one of {}",
+            redact_url(url),
+            URL_SCHEMES.join(", ")
+        ));
     }
+    Config::from_url(url).map(|_| ()).map_err(|e| {
+        format!(
+            "'{}' is not a valid Redis URL: {}",
+            redact_url(url),
+            e.details()
+        )
+    })
+}
+
+/// The URL with every password replaced by `***`: the one in the
+/// authority (`user:password@`, or a lone `password@`) and any query
+/// parameter whose name contains "password" (`sentinelPassword`).
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme) = url.find("://") else {
+        return url.to_owned();
+    };
+    let after = scheme + 3;
+    let (rest, query) = match url[after..].find('?') {
+        Some(q) => (&url[after..after + q], Some(&url[after + q + 1..])),
+        None => (&url[after..], None),
+    };
+    let mut out = String::with_capacity(url.len());
+    out.push_str(&url[..after]);
+    match rest.rfind('@') {
+        Some(at) => {
+            match rest[..at].split_once(':') {
+                Some((user, _)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                None => out.push_str("***"),
+            }
+            out.push_str(&rest[at..]);
+        }
+        None => out.push_str(rest),
+    }
+    if let Some(query) = query {
+        out.push('?');
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                    format!("{name}=***")
+                }
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out.push_str(&pairs.join("&"));
+    }
+    out
 }
 
 impl Redis {
@@ -154,6 +221,7 @@ impl Redis {
             decide: Script::new(DECIDE_LUA),
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),
+            migrate: Script::new(migrate::MIGRATE_LUA),
             tokens: AtomicU64::new(1),
             queues: batch::Queues::new(cfg.pool_size),
             batches: AtomicU64::new(0),
@@ -164,6 +232,11 @@ impl Redis {
 
     pub fn deadline(&self) -> Duration {
         self.deadline
+    }
+
+    /// Whether this is a Redis Cluster (calls must keep to one slot each).
+    pub fn is_cluster(&self) -> bool {
+        self.config.server.is_clustered()
     }
 
     /// PING with a timeout; the error text says what went wrong (refused,
@@ -366,7 +439,12 @@ impl Redis {
         {
             Err(e) if e.details().starts_with("NOSCRIPT") || e.to_string().contains("NOSCRIPT") => {
                 // After SCRIPT FLUSH or a Redis restart: load and retry once.
-                match client.script_load::<String, _>(script.source).await {
+                let loaded = if self.is_cluster() {
+                    client.script_load_cluster::<(), _>(script.source).await
+                } else {
+                    client.script_load::<(), _>(script.source).await
+                };
+                match loaded {
                     Ok(_) => {
                         client
                             .evalsha::<Value, _, _, _>(&script.sha, keys, args)
@@ -408,13 +486,16 @@ impl Redis {
     ///
     /// Calls queued for one connection while a call is in flight on it are
     /// sent together ([`batch`]).
+    /// On a Cluster every key must be in `slot`.
     pub async fn decide(
         self: &Arc<Self>,
+        slot: u16,
         keys: Vec<String>,
         args: Vec<Value>,
         affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
-        self.decide_coalesced(keys, args, affinity).await
+        let slot = if self.is_cluster() { slot } else { 0 };
+        self.decide_coalesced(slot, keys, args, affinity).await
     }
 
     /// (script calls that carried decisions, decisions they carried).
@@ -513,6 +594,36 @@ mod tests {
         );
         assert_eq!(redact_url("rediss://secret@h:6379"), "rediss://***@h:6379");
         assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+        assert_eq!(
+            redact_url("redis-cluster://u:p%40ss@a:7000?node=b:7001&node=c:7002"),
+            "redis-cluster://u:***@a:7000?node=b:7001&node=c:7002"
+        );
+        assert_eq!(
+            redact_url("rediss-sentinel://u:one@s:26379/1?sentinelServiceName=m&sentinelUsername=su&sentinelPassword=two&node=t:26379"),
+            "rediss-sentinel://u:***@s:26379/1?sentinelServiceName=m&sentinelUsername=su&sentinelPassword=***&node=t:26379"
+        );
+        // An '@' in the query is not the authority's.
+        assert_eq!(
+            redact_url("redis-sentinel://s:1?sentinelServiceName=a@b&sentinelPassword=x"),
+            "redis-sentinel://s:1?sentinelServiceName=a@b&sentinelPassword=***"
+        );
+    }
+
+    #[test]
+    fn every_topology_url_form_is_checked() {
+        for ok in [
+            "redis://127.0.0.1:6379",
+            "rediss://u:p@h:6380/2",
+            "redis-cluster://h:7000?node=h:7001&node=h:7002",
+            "rediss-cluster://u:p@h:7000",
+            "redis-sentinel://h:26379/0?sentinelServiceName=main&node=h:26380",
+            "rediss-sentinel://u:p@h:26379?sentinelServiceName=main&sentinelPassword=s",
+        ] {
+            assert_eq!(check_url(ok), Ok(()), "{ok}");
+        }
+        let e = check_url("redis-sentinel://u:secret@h:26379?sentinelPassword=also").unwrap_err();
+        assert!(!e.contains("secret") && !e.contains("also"), "{e}");
+        assert!(check_url("http://h:1").is_err_and(|e| e.contains("redis-cluster://")));
     }
 
     #[test]

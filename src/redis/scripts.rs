@@ -216,11 +216,12 @@ pub fn replay_args(
 }
 
 /// members.lua: KEYS are [`keys::membership`]; ARGV: id, nonce, TTL ms,
-/// "beat" (deciding on Redis), "away" (live, deciding off Redis) or
-/// "leave", the index used before (0 none), hold-back horizon
-/// ms. Reply: `{1, index, now_ms, incarnation, {live ids}, {their
-/// indices}, {silent indices}}`, or `{0, other nonce}` when another live
-/// incarnation owns the id.
+/// "beat" (deciding on Redis), "away" (live, deciding off Redis), "held"
+/// (away, kept off Redis by an older layout) or "leave", the index used
+/// before (0 none), hold-back horizon ms, the layout announced. Reply:
+/// `{1, index, now_ms, incarnation, {live ids}, {their indices}, {silent
+/// indices}, {known indices}, {live members' layouts}}`, or `{0, other
+/// nonce}` when another live incarnation owns the id.
 pub fn members_args(
     id: &str,
     nonce: &str,
@@ -228,6 +229,7 @@ pub fn members_args(
     action: &str,
     index: u64,
     holdback_ms: u128,
+    layout: u32,
 ) -> Vec<String> {
     vec![
         id.to_owned(),
@@ -236,6 +238,7 @@ pub fn members_args(
         action.to_owned(),
         index.to_string(),
         holdback_ms.to_string(),
+        layout.to_string(),
     ]
 }
 

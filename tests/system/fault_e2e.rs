@@ -278,7 +278,7 @@ fn assert_value_equals_grants(
     let mut bad = false;
     for (end, ok) in per_window {
         let index = end / 1000 - 1;
-        let key = format!("lh:{{f}}|{algo_key}={value}#1:{tag}@{index}");
+        let key = format!("lh:v2{{f|{algo_key}={value}#1:{tag}}}@{index}");
         let total = c.redis.window_total(&key);
         bad |= total != Some(*ok as i64);
         report.push(format!(
@@ -698,7 +698,7 @@ fn check_values(c: &Cluster, samples: &[Vec<Sample>], fault: Option<(u64, u64)>)
         eprintln!("{v}: {:?}", per_window.values().collect::<Vec<_>>());
         for (end, n) in per_window.iter().filter(|(_, n)| **n > L) {
             let by: Vec<usize> = (0..4).map(|r| admitted_by(s, r, *end)).collect();
-            let key = format!("lh:{{f}}|fw={v}#1:fw@{}", end / 1000 - 1);
+            let key = format!("lh:v2{{f|fw={v}#1:fw}}@{}", end / 1000 - 1);
             let fields = c
                 .redis
                 .cli(&["HGETALL", &key])
@@ -971,7 +971,7 @@ async fn token_bucket_and_sliding_log_through_an_outage() {
                 .redis
                 .keys()
                 .into_iter()
-                .filter(|k| k.starts_with("lh:{f}|tb=hot#1:tb@"))
+                .filter(|k| k.starts_with("lh:v2{f|tb=hot#1:tb}@"))
                 .collect();
             let replayed: i64 = keys
                 .iter()
@@ -1073,7 +1073,7 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
         "{}",
         second.proc.log_text()
     );
-    let key = format!("lh:{{j}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{j|k=v#60:fw}}@{window}");
     let exact = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(15), || {
             redis.window_total(&key) == Some(35 + warm)
@@ -1175,7 +1175,7 @@ async fn sigterm_replays_lease_grants_or_says_what_was_lost() {
         tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
     }
     let window = now_ms() / 60_000;
-    let key = format!("lh:{{t}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{t|k=v#60:fw}}@{window}");
     for (round, id) in ["replayed", "lost"].into_iter().enumerate() {
         let rep = tokio::task::block_in_place(|| {
             Leasehold::start(id, &rules, &["--replica-id", id], &env, &dir)
@@ -1252,7 +1252,7 @@ async fn a_restarted_replica_adds_to_its_previous_runs_local_grants() {
         tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
     }
     let window = now_ms() / 60_000;
-    let key = format!("lh:{{a}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{a|k=v#60:fw}}@{window}");
     let mut granted = 0;
     for run in ["first", "second"] {
         let rep = tokio::task::block_in_place(|| {
@@ -1303,7 +1303,7 @@ async fn a_replay_behind_an_unknown_guard_is_not_dropped() {
         .and_then(|s| s["engine"]["redis"]["membership"]["index"].as_u64())
         .expect("registered");
     let window = now_ms() / 60_000;
-    let key = format!("lh:{{g}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{g|k=v#60:fw}}@{window}");
     // An epoch about eleven days ahead of this run's, on this replica's
     // local-field guard.
     let ahead = (now_ms() + 1_000_000_000) * 1_000;
@@ -1374,7 +1374,7 @@ async fn a_call_that_left_and_timed_out_may_have_applied_whatever_the_pool_does(
     assert!(all_up, "eight connections, {} accepted", proxy.accepted());
     // One call first, so Redis has the script (a NOSCRIPT answered late
     // would stop the late call from running at all).
-    let args = scripts::members_args("warm", "nonce", 5_000, "beat", 0, 0);
+    let args = scripts::members_args("warm", "nonce", 5_000, "beat", 0, 0, 2);
     let keys = keys::membership("lh:", "warm").to_vec();
     pool.members(keys, args, Duration::from_secs(2))
         .await
@@ -1385,7 +1385,7 @@ async fn a_call_that_left_and_timed_out_may_have_applied_whatever_the_pool_does(
     proxy.cut_all_but_first();
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.set(Mode::Latency(Duration::from_secs(2)));
-    let args = scripts::members_args("m", "nonce", 5_000, "beat", 0, 0);
+    let args = scripts::members_args("m", "nonce", 5_000, "beat", 0, 0, 2);
     let keys = keys::membership("lh:", "m").to_vec();
     let outcome = pool.members(keys, args, Duration::from_millis(300)).await;
     match outcome {

@@ -6,6 +6,7 @@
 //! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
+//! - [`layout`]: key layout versions: replicas of two layouts, the move of windows;
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with Envoy too;
 //! - [`operations`]: traces, logs, the admin listener, status page, metrics;
 //! - [`topology`]: the four-replica topology through the local runner.
@@ -15,6 +16,7 @@ mod common;
 mod e2e;
 mod fault_e2e;
 mod hardening;
+mod layout;
 mod operations;
 mod redis_e2e;
 mod tls;

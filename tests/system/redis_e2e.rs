@@ -174,7 +174,7 @@ async fn four_replicas_admit_exactly_the_limit() {
         .next()
         .map(|end| end / 60_000 - 1)
         .unwrap_or(0);
-    let key = format!("lh:{{exact}}|k=hot#60:fw@{window_index}");
+    let key = format!("lh:v2{{exact|k=hot#60:fw}}@{window_index}");
     assert_eq!(
         window_total(&redis, &key),
         1_000,
@@ -372,7 +372,7 @@ async fn a_clock_stepped_back_does_not_fence_a_restarted_replica_out() {
     // The previous run's fence: an epoch from the real clock, as it set
     // when it last rewrote its field.
     let window = now_ms() / 60_000;
-    let key = format!("lh:{{back}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{back|k=v#60:fw}}@{window}");
     let fence = (previous_run_ms * 1_000).to_string();
     redis.cli(&[
         "HSET",
@@ -504,7 +504,7 @@ async fn keys_expire_after_their_window_and_margin() {
     }
     let counters = |keys: Vec<String>| {
         keys.into_iter()
-            .filter(|k| k.starts_with("lh:{exp}"))
+            .filter(|k| k.starts_with("lh:v2{exp"))
             .collect::<Vec<_>>()
     };
     let before = counters(redis.keys());
@@ -600,7 +600,7 @@ async fn odd_values_map_to_distinct_keys_and_round_trip() {
     let keys: Vec<String> = redis
         .keys()
         .into_iter()
-        .filter(|k| k.starts_with("lh:{odd}"))
+        .filter(|k| k.starts_with("lh:v2{odd"))
         .collect();
     assert_eq!(
         keys.len(),
@@ -787,7 +787,7 @@ async fn refunds_racing_charges_are_not_data_loss() {
     let engine = &status["engine"];
     assert_eq!(engine["replay"]["data_loss_detected"], 0, "{engine}");
     assert_eq!(engine["decisions"]["local"], 0, "{engine}");
-    let key = format!("lh:{{r}}|k=v#60:fw@{window}");
+    let key = format!("lh:v2{{r|k=v#60:fw}}@{window}");
     assert_eq!(window_total(&redis, &key), net, "Redis = charges − refunds");
 }
 /// A healthy Redis made slow by load: four replicas with the default
@@ -841,7 +841,7 @@ async fn a_busy_redis_with_default_settings_admits_the_limit() {
             over += v;
             errors += e;
         }
-        let key = format!("lh:{{busy}}|k={value}#60:fw@{window}");
+        let key = format!("lh:v2{{busy|k={value}#60:fw}}@{window}");
         let settled = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
                 replicas.iter().all(|rep| {
@@ -947,7 +947,7 @@ async fn the_over_limit_cache_answers_locally_and_sees_refunds_within_its_bound(
     assert_eq!(code(call(&mut ca, false).await), Code::OverLimit as i32);
     assert_eq!(code(call(&mut ca, true).await), Code::Ok as i32);
     assert_eq!(code(call(&mut ca, false).await), Code::Ok as i32);
-    let key = format!("lh:{{oc}}|k=v#60:fw@{}", now_ms() / 60_000);
+    let key = format!("lh:v2{{oc|k=v#60:fw}}@{}", now_ms() / 60_000);
     assert_eq!(
         redis.window_total(&key),
         Some(3),
@@ -1008,8 +1008,8 @@ async fn batched_requests_stay_all_or_nothing_each() {
     // Calls that missed the budget are taken back (their late replies
     // folded in, then replayed): Redis holds the grants once that is done.
     // A denied request that charged `a` would keep it one above for good.
-    let a = format!("lh:{{bt}}|a=v#60:fw@{window}");
-    let b = format!("lh:{{bt}}|b=v#60:fw@{window}");
+    let a = format!("lh:v2{{bt|a=v#60:fw}}@{window}");
+    let b = format!("lh:v2{{bt|b=v#60:fw}}@{window}");
     let exact = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(10), || {
             redis.window_total(&a) == Some(a_only + with_b)

@@ -394,7 +394,7 @@ fn redis_sum(topo: &Topology) -> u64 {
             .expect("redis-cli");
         String::from_utf8_lossy(&o.stdout).into_owned()
     };
-    let keys = cli(&["--scan", "--pattern", "lh:{edge}|user=demo#1:*@*"]);
+    let keys = cli(&["--scan", "--pattern", "lh:v2{edge|user=demo#1:*}@*"]);
     let mut total = 0i64;
     for key in keys.lines().filter(|k| !k.is_empty()) {
         let flat = cli(&["HGETALL", key]);
