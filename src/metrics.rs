@@ -56,6 +56,9 @@ pub struct Metrics {
     redis_call_seconds: Histogram,
     replay_seconds: prometheus::Counter,
     lease_members: IntGauge,
+    redis_nodes: IntGaugeVec,
+    redis_node_failures: IntCounterVec,
+    cross_slot: IntCounterVec,
 }
 
 fn counter_vec(
@@ -150,6 +153,14 @@ impl Metrics {
             &["state"],
         )?;
         r.register(Box::new(breaker_state.clone()))?;
+        let redis_nodes = IntGaugeVec::new(
+            Opts::new(
+                "leasehold_redis_node_up",
+                "Redis nodes as this replica sees them (mode standalone, cluster or sentinel; role primary or sentinel): 1 when a connection to it is up.",
+            ),
+            &["mode", "node", "role"],
+        )?;
+        r.register(Box::new(redis_nodes.clone()))?;
         Ok(Metrics {
             decisions: counter_vec(&r, "leasehold_decisions_total", "Descriptor decisions by domain, outcome (ok, over_limit, shadow) and deciding path (memory, redis, local, none).", &["domain", "outcome", "path"])?,
             hits: counter_vec(&r, "leasehold_hits_total", "Hits asked for by limited descriptors, by domain and path.", &["domain", "path"])?,
@@ -185,6 +196,9 @@ impl Metrics {
                 c
             },
             lease_members: gauge(&r, "leasehold_lease_members", "Replicas each limit is split across for local leases (a replica's default share is 1/this).")?,
+            redis_nodes,
+            redis_node_failures: counter_vec(&r, "leasehold_redis_node_failures_total", "Redis calls that failed, by the node they were bound for.", &["node"])?,
+            cross_slot: counter_vec(&r, "leasehold_cross_slot_requests_total", "Requests whose counters were in several Redis Cluster slots (decided per slot), and those whose charges were taken back because one slot denied (result taken_back).", &["result"])?,
             registry: r,
         })
     }
@@ -273,6 +287,32 @@ impl Metrics {
         }
     }
 
+    /// The Redis topology and cross-slot counts from the Redis section of
+    /// /status.
+    fn redis_facts(&self, redis: &serde_json::Value) {
+        let topology = &redis["topology"];
+        let mode = topology["mode"].as_str().unwrap_or("unknown");
+        self.redis_nodes.reset();
+        for node in topology["nodes"].as_array().into_iter().flatten() {
+            let name = node["node"].as_str().unwrap_or("unknown");
+            let role = node["role"].as_str().unwrap_or("unknown");
+            self.redis_nodes
+                .with_label_values(&[mode, name, role])
+                .set(i64::from(node["connected"] == true));
+            if let Some(f) = node["failures"].as_u64() {
+                mirror(&self.redis_node_failures.with_label_values(&[name]), f);
+            }
+        }
+        for (result, field) in [
+            ("decided", "cross_slot_requests"),
+            ("taken_back", "cross_slot_refunds"),
+        ] {
+            if let Some(n) = redis[field].as_u64() {
+                mirror(&self.cross_slot.with_label_values(&[result]), n);
+            }
+        }
+    }
+
     /// The exposition, with engine facts read now (only the resilient
     /// engine has a breaker, a ledger and replays; elsewhere they stay 0).
     pub fn render(&self, status: &EngineStatus) -> String {
@@ -311,6 +351,7 @@ impl Metrics {
                 self.replay_seconds.inc_by(r.replay.seconds - seen);
             }
             self.lease_members.set(r.members_for_leases as i64);
+            self.redis_facts(&r.redis);
         } else {
             for gauge in [
                 &self.live_members,

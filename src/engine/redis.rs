@@ -71,6 +71,15 @@ pub struct RedisEngine {
     /// them whose charges had to be taken back ([`slots`]).
     cross_slot: AtomicU64,
     cross_slot_refunds: AtomicU64,
+    /// Redis time minus local time, from the last decision reply.
+    offset_ms: std::sync::atomic::AtomicI64,
+}
+
+fn local_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// The Redis engine's facts for /status.
@@ -89,6 +98,8 @@ pub struct RedisStatus {
     /// charges were taken back because one slot denied.
     pub cross_slot_requests: u64,
     pub cross_slot_refunds: u64,
+    /// Mode, nodes, connections and failures per node.
+    pub topology: crate::redis::topology::Topology,
 }
 
 impl RedisEngine {
@@ -113,6 +124,7 @@ impl RedisEngine {
             boot,
             cross_slot: AtomicU64::new(0),
             cross_slot_refunds: AtomicU64::new(0),
+            offset_ms: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -122,6 +134,11 @@ impl RedisEngine {
         self.membership
             .index()
             .ok_or_else(|| CallError::NotConnected(self.membership.not_counting_reason()))
+    }
+
+    /// Redis's time as this replica reckons it from the last reply.
+    fn redis_now_ms(&self) -> u64 {
+        (local_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
     }
 
     fn stats_cross_slot_refund(&self) {
@@ -166,6 +183,7 @@ impl RedisEngine {
             expected,
             presume,
             boot: &self.boot,
+            windows_at: self.redis.is_cluster().then(|| self.redis_now_ms()),
         };
         let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
         let slot = batch
@@ -175,6 +193,10 @@ impl RedisEngine {
             .unwrap_or(0);
         match self.redis.decide(slot, keys, args, affinity(batch)).await {
             Ok(reply) => {
+                if let Some(&now) = reply.get(1) {
+                    self.offset_ms
+                        .store(now - local_ms() as i64, Ordering::Relaxed);
+                }
                 scripts::decode_decide(&reply, batch.charges.len()).map_err(CallError::Reply)
             }
             Err(e) => {
@@ -266,6 +288,7 @@ impl RedisEngine {
                         self.margin_ms,
                         &self.boot,
                         chunk,
+                        cluster,
                     );
                     let reply = self.redis.replay(keys, args, deadline).await?;
                     applied += reply.first().copied().unwrap_or(0).max(0) as u64;
@@ -299,6 +322,7 @@ impl RedisEngine {
             decisions_sent,
             cross_slot_requests: self.cross_slot.load(Ordering::Relaxed),
             cross_slot_refunds: self.cross_slot_refunds.load(Ordering::Relaxed),
+            topology: self.redis.topology(),
         }
     }
 }

@@ -124,6 +124,7 @@ pub fn render(status: &Value) -> String {
 
     cards(&mut out, e, engine);
     breaker_section(&mut out, &e["breaker"]);
+    redis_section(&mut out, &e["redis"]);
     leases_section(&mut out, &e["leases"]);
     out.push_str(r#"<p class="sub">refreshes every 2 s · JSON: <a href="/status">/status</a> · <a href="/rules">/rules</a></p></body></html>"#);
     out
@@ -210,6 +211,47 @@ fn breaker_section(out: &mut String, breaker: &Value) {
     }
 }
 
+/// The Redis topology: each node, whether it is connected, its failures;
+/// and members of another key layout, if any.
+fn redis_section(out: &mut String, redis: &Value) {
+    let topology = &redis["topology"];
+    let Some(nodes) = topology["nodes"].as_array() else {
+        return;
+    };
+    let _ = write!(
+        out,
+        r#"<h2>Redis</h2><p id="redis-mode">{} · <code>{}</code></p>"#,
+        esc(&text(&topology["mode"])),
+        esc(&text(&redis["redis"]))
+    );
+    out.push_str("<table><tr><th>node</th><th>role</th><th>slots</th><th>connected</th><th>failed calls</th></tr>");
+    for n in nodes {
+        let connected = n["connected"] == true;
+        let _ = write!(
+            out,
+            "<tr><td><code>{}</code></td><td>{}</td><td class=\"num\">{}</td><td><span class=\"badge {}\">{}</span></td><td class=\"num\">{}</td></tr>",
+            esc(&text(&n["node"])),
+            esc(&text(&n["role"])),
+            esc(&text(&n["slots"])),
+            if connected { "ok" } else if n["role"] == "sentinel" { "" } else { "bad" },
+            if connected { "yes" } else { "no" },
+            esc(&text(&n["failures"]))
+        );
+    }
+    out.push_str("</table>");
+    if let Some(older) = redis["membership"]["older_layouts"]
+        .as_array()
+        .filter(|a| !a.is_empty())
+    {
+        let names: Vec<String> = older.iter().map(text).collect();
+        let _ = write!(
+            out,
+            r#"<p class="bad">Deciding on leases: live replicas count in an older key layout ({})</p>"#,
+            esc(&names.join(", "))
+        );
+    }
+}
+
 /// The busiest keys with their leases.
 fn leases_section(out: &mut String, leases: &Value) {
     if let Some(leases) = leases.as_array() {
@@ -260,5 +302,29 @@ mod tests {
         );
         assert!(html.contains(r#"id="breaker-state">tripped<"#), "{html}");
         assert!(html.contains("LOCAL") && html.contains(">7<"), "{html}");
+    }
+
+    #[test]
+    fn shows_the_redis_nodes_and_a_layout_wait() {
+        let status = serde_json::json!({
+            "engine": {
+                "engine": "resilient",
+                "redis": {
+                    "redis": "redis-cluster://u:***@a:7000",
+                    "topology": {"mode": "cluster", "nodes": [
+                        {"node": "a:7000", "role": "primary", "slots": 5461, "connected": true, "failures": 0},
+                        {"node": "b:7001", "role": "primary", "slots": 5462, "connected": false, "failures": 3},
+                    ]},
+                    "membership": {"older_layouts": ["old (layout 1)"]},
+                },
+            },
+        });
+        let html = render(&status);
+        assert!(html.contains(r#"id="redis-mode">cluster"#), "{html}");
+        assert!(
+            html.contains("b:7001") && html.contains(">5462<") && html.contains(">3<"),
+            "{html}"
+        );
+        assert!(html.contains("old (layout 1)"), "{html}");
     }
 }

@@ -1,9 +1,12 @@
 -- leasehold: evaluate and (unless denied) apply one request's charges,
 -- atomically, on Redis time. The arithmetic mirrors src/limit/algorithms.rs.
 --
--- KEYS[i]  base key of charge i. Every base key of one call carries the same
---          hash tag (the domain), and the keys derived from it below only
---          append to it, so one call touches one hash slot.
+-- KEYS[i]  base key of charge i (i up to the number of charges, which the
+--          ARGV count gives). The keys derived from it below only append to
+--          it outside its hash tag, so a charge touches one slot. On a
+--          Redis Cluster the keys a charge reads and writes follow as
+--          KEYS[n+1...] too, only so that Redis knows them while their slot
+--          migrates (the script derives them itself).
 -- ARGV[1]  this replica's field name (its small numeric index)
 -- ARGV[2]  this replica's epoch (see the fence below)
 -- ARGV[3]  never_deny: "1" in global shadow mode
@@ -72,7 +75,7 @@ local function decide(KEYS, ARGV, now)
   local margin = tonumber(ARGV[4])
   local call_id = ARGV[5]
   local episode = ARGV[6]
-  local n = #KEYS
+  local n = math.floor((#ARGV - 8) / 11)
 
   local function indices(list)
     local out = {}

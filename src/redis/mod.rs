@@ -21,6 +21,7 @@ pub mod membership;
 pub mod migrate;
 pub mod scripts;
 pub mod tls;
+pub mod topology;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -82,6 +83,8 @@ pub struct Redis {
     batched: AtomicU64,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
+    /// Failed calls per node ([`topology`]).
+    node_failures: parking_lot::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 /// The URL schemes `redis_url` accepts (fred's): one Redis, a Cluster (any
@@ -227,6 +230,7 @@ impl Redis {
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
             display_url: redact_url(&cfg.url),
+            node_failures: Default::default(),
         })
     }
 
@@ -433,6 +437,7 @@ impl Redis {
         let mut args = args.to_vec();
         args.push(Value::Integer(token as i64));
         let keys = keys.to_vec();
+        let first_key = keys.first().cloned();
         let result = match client
             .evalsha::<Value, _, _, _>(&script.sha, keys.clone(), args.clone())
             .await
@@ -472,9 +477,13 @@ impl Redis {
                     ErrorKind::IO | ErrorKind::Canceled | ErrorKind::Timeout
                 ) =>
             {
+                self.node_failed(self.node_of(first_key.as_ref()));
                 Err(CallError::Timeout(self.deadline))
             }
-            Err(e) => Err(CallError::Redis(e.to_string())),
+            Err(e) => {
+                self.node_failed(self.node_of(first_key.as_ref()));
+                Err(CallError::Redis(e.to_string()))
+            }
         }
     }
 

@@ -26,7 +26,9 @@
 -- reconnect) finds a newer epoch and writes nothing, so an older value can
 -- never overwrite a newer one.
 --
--- KEYS[i]  base key of entry i (all with one hash tag, so one slot)
+-- KEYS[i]  base key of entry i (on a Cluster all in one slot, and the
+--          window keys it writes follow as KEYS[n+1...], declared only so
+--          that Redis knows them while their slot migrates)
 -- ARGV[4]  this replica's incarnation (boot id): local counts restart from
 --          zero with each incarnation, so the first local write of a new one
 --          keeps what the previous ones wrote as a base ("b<idx>", the
@@ -58,7 +60,7 @@ local version = 'v' .. me
 local epoch_n = tonumber(epoch)
 local written = 0
 local fenced = 0
-for i = 1, #KEYS do
+for i = 1, math.floor((#ARGV - 4) / 7) do
   local o = 5 + 7 * (i - 1)
   local kind = tonumber(ARGV[o])
   local algo = tonumber(ARGV[o + 1])

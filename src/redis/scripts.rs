@@ -69,6 +69,38 @@ pub struct DecideCall<'a> {
     /// This incarnation's boot id: with the episode number, a token unique
     /// per failure episode across restarts.
     pub boot: &'a str,
+    /// On a Redis Cluster, Redis's time as this replica reckons it: the
+    /// window keys each charge touches are then declared too (see
+    /// [`declared_windows`]).
+    pub windows_at: Option<u64>,
+}
+
+/// The window keys a charge reads or writes at Redis time `now_ms`, for a
+/// call to declare beside its base keys. The script derives them itself;
+/// a Redis Cluster checks declared keys only, and while a slot migrates
+/// it must see them to send a call where its keys are (ASK), or to ask
+/// for a retry (TRYAGAIN) rather than let the script read a window that
+/// has already moved. Near a window boundary the reckoning may be one
+/// window off; only a migration of that very slot in those milliseconds
+/// could then read a moved window.
+fn declared_windows(
+    base: &str,
+    charge: &crate::domain::Charge,
+    demand_known: bool,
+    now_ms: u64,
+    out: &mut Vec<String>,
+) {
+    let unit = charge.spec.unit.millis().max(1);
+    let w = now_ms / unit;
+    let at = |w: u64| format!("{base}@{w}");
+    match charge.spec.algorithm {
+        Algorithm::SlidingLog => {}
+        Algorithm::FixedWindow if demand_known => out.push(at(w)),
+        _ => {
+            out.push(at(w));
+            out.push(at(w.saturating_sub(1)));
+        }
+    }
 }
 
 /// Comma-separated indices; empty (the usual case) without allocating.
@@ -80,7 +112,8 @@ fn index_list(indices: &[u64]) -> Value {
     Value::from(list.join(","))
 }
 
-/// decide.lua: KEYS[i] the base key of charge i; ARGV 1-5: index, epoch,
+/// decide.lua: KEYS[i] the base key of charge i, then on a Cluster the
+/// window keys of every charge ([`declared_windows`]); ARGV 1-5: index, epoch,
 /// never_deny, margin, call id; 6-8: failure-episode token ("" none),
 /// presumed peers and silent members (comma-separated indices); then 11 per
 /// charge: algorithm, limit, unit_ms, burst, hits (clamped to
@@ -90,11 +123,18 @@ fn index_list(indices: &[u64]) -> Value {
 /// local count not replayed yet. The Redis module appends the call's token
 /// (see its docs) and strips it from the reply.
 pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<Value>) {
-    let keys = batch
+    let mut keys: Vec<String> = batch
         .charges
         .iter()
         .map(|c| keys::counter_base(prefix, &c.key))
         .collect();
+    if let Some(now_ms) = call.windows_at {
+        for (i, c) in batch.charges.iter().enumerate() {
+            let demand_known = call.presume.charges.get(i).is_some_and(|p| p.demand_known);
+            let base = keys[i].clone();
+            declared_windows(&base, c, demand_known, now_ms, &mut keys);
+        }
+    }
     // Numbers go as integers: fred writes them straight into the request,
     // with no string allocated per argument (11 per charge), and Lua reads
     // every argument as a string either way.
@@ -177,7 +217,8 @@ pub fn decode_decide(reply: &[i64], charges: usize) -> Result<DecideReply, Strin
     }))
 }
 
-/// replay.lua: KEYS[i] the base key of entry i (one hash slot per call);
+/// replay.lua: KEYS[i] the base key of entry i (one hash slot per call),
+/// then on a Cluster each entry's window key;
 /// ARGV 1-3: index, epoch, margin; then 7 per entry: kind (1 local, 2
 /// repair), algorithm, unit_ms, window, value, limit, burst. Reply:
 /// `{entries written}`.
@@ -188,11 +229,20 @@ pub fn replay_args(
     margin_ms: u64,
     boot: &str,
     entries: &[&ReplayEntry],
+    cluster: bool,
 ) -> (Vec<String>, Vec<String>) {
-    let keys = entries
+    let mut keys: Vec<String> = entries
         .iter()
         .map(|e| keys::counter_base(prefix, &e.key))
         .collect();
+    if cluster {
+        // The windows written, declared for a migrating slot (see
+        // `declared_windows`).
+        for (i, e) in entries.iter().enumerate() {
+            let window = format!("{}@{}", keys[i], e.window);
+            keys.push(window);
+        }
+    }
     let mut args = Vec::with_capacity(4 + 7 * entries.len());
     args.push(index.to_string());
     args.push(epoch.to_string());

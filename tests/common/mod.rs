@@ -5,6 +5,7 @@
 //! redis-server on a free port, and request builders.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod netns;
 pub mod proxy;
 

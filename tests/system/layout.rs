@@ -250,6 +250,9 @@ async fn replicas_announcing_two_layouts_share_one_limit() {
         .expect("id")
         .to_owned();
     let newer_index = membership(&newer)["index"].as_u64().expect("index");
+    let topology = &status(&older)["engine"]["redis"]["topology"];
+    assert_eq!(topology["mode"], "standalone", "{topology}");
+    assert_eq!(topology["nodes"][0]["connected"], true, "{topology}");
     // Each sees the other, and only the newer one stays off Redis.
     let seen = wait_until(Duration::from_secs(5), || {
         let (o, n) = (membership(&older), membership(&newer));

@@ -4,6 +4,7 @@
 //!
 //! - [`e2e`]: the binary's surfaces, Envoy's filter, reload, startup and shutdown;
 //! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
+//! - [`cluster`]: the Redis engine on a real Redis Cluster: spread, slots, failover;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
 //! - [`layout`]: key layout versions: replicas of two layouts, the move of windows;
@@ -11,6 +12,7 @@
 //! - [`operations`]: traces, logs, the admin listener, status page, metrics;
 //! - [`topology`]: the four-replica topology through the local runner.
 
+mod cluster;
 #[path = "../common/mod.rs"]
 mod common;
 mod e2e;
