@@ -12,6 +12,10 @@
 #   benches/bench.sh outage     Redis up / down (local path) / recovery,
 #                               local path vs memory (median of 3), RSS with
 #                               100,000 keys through an outage
+#   benches/bench.sh cluster    the Redis path on one Redis and on a
+#                               3-master Redis Cluster in the same run (a
+#                               hot key, 10,000 keys), Redis CPU and
+#                               commands per 1000 decisions per node
 #   benches/bench.sh soak       bounded memory with default settings: peak
 #                               RSS after 1,000,000 distinct 1 KiB values on
 #                               a day rule (in memory), and after 100,000
@@ -191,6 +195,45 @@ soak)
   echo "  peak VmRSS (VmHWM): $(hwm "$PID_red")"
   curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("  ledger:", e["ledger"])'
   ;;
+cluster)
+  start_redis
+  # Three masters (no replicas), bus ports at +10000.
+  CLUSTER_PORTS=()
+  while [ ${#CLUSTER_PORTS[@]} -lt 3 ]; do
+    p=$(free_port)
+    if [ "$p" -lt 55536 ] && python3 -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', $p + 10000))" 2>/dev/null; then CLUSTER_PORTS+=("$p"); fi
+  done
+  for p in "${CLUSTER_PORTS[@]}"; do
+    mkdir -p "$WORK/c$p"
+    redis-server --port "$p" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK/c$p" --cluster-enabled yes --cluster-config-file "nodes-$p.conf" >"$WORK/c$p.log" 2>&1 &
+    PIDS+=($!)
+    until redis-cli -p "$p" ping >/dev/null 2>&1; do sleep 0.05; done
+  done
+  redis-cli --cluster create $(printf '127.0.0.1:%s ' "${CLUSTER_PORTS[@]}") --cluster-yes >/dev/null
+  until redis-cli -p "${CLUSTER_PORTS[0]}" cluster info | grep -q cluster_state:ok; do sleep 0.1; done
+  URL="redis-cluster://127.0.0.1:${CLUSTER_PORTS[0]}?node=127.0.0.1:${CLUSTER_PORTS[1]}&node=127.0.0.1:${CLUSTER_PORTS[2]}"
+  LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold one --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-one
+  LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold clu --redis-url "$URL" --replica-id bench-clu
+  node_stats() { # PORT -> "cpu_seconds commands"
+    echo "$(redis-cli -p "$1" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}') $(redis-cli -p "$1" info commandstats | awk -F'[=,]' '/^cmdstat_/ {s+=$2} END {print s+0}')"
+  }
+  for run in "1 hot key:1" "10,000 keys:10000"; do
+    label=${run%%:*}; keys=${run##*:}
+    bench_redis "$label, one Redis:" "$GRPC_one" "$keys"
+    declare -A before=()
+    for p in "${CLUSTER_PORTS[@]}"; do before[$p]=$(node_stats "$p"); done
+    r=$(bench "$GRPC_clu" "$keys")
+    n=$(echo "$r" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["requests"])')
+    echo "$label, 3-master cluster: $(echo "$r" | summary)"
+    for p in "${CLUSTER_PORTS[@]}"; do
+      after=$(node_stats "$p")
+      python3 -c "
+b = '${before[$p]}'.split(); a = '$after'.split(); n = $n
+print('  node $p: CPU %.1f ms, %.0f commands per 1000 decisions' % ((float(a[0]) - float(b[0])) * 1e6 / n, (float(a[1]) - float(b[1])) * 1000 / n))"
+    done
+  done
+  curl -s "127.0.0.1:$ADMIN_clu/status" | python3 -c 'import json,sys; e=json.load(sys.stdin)["engine"]; print("cluster replica decisions:", e["decisions"]); print("topology:", e["redis"]["topology"])'
+  ;;
 *)
-  echo "usage: $0 memory|redis|outage|soak" >&2; exit 2;;
+  echo "usage: $0 memory|redis|outage|cluster|soak" >&2; exit 2;;
 esac

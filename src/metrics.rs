@@ -59,6 +59,7 @@ pub struct Metrics {
     redis_nodes: IntGaugeVec,
     redis_node_failures: IntCounterVec,
     cross_slot: IntCounterVec,
+    repairs_raised: IntCounter,
 }
 
 fn counter_vec(
@@ -199,6 +200,7 @@ impl Metrics {
             redis_nodes,
             redis_node_failures: counter_vec(&r, "leasehold_redis_node_failures_total", "Redis calls that failed, by the node they were bound for.", &["node"])?,
             cross_slot: counter_vec(&r, "leasehold_cross_slot_requests_total", "Requests whose counters were in several Redis Cluster slots (decided per slot), and those whose charges were taken back because one slot denied (result taken_back).", &["result"])?,
+            repairs_raised: counter(&r, "leasehold_redis_repairs_raised_total", "Repairs that found this replica's count in Redis below what it had confirmed (writes Redis lost, e.g. in a failover), and restored it.")?,
             registry: r,
         })
     }
@@ -302,6 +304,9 @@ impl Metrics {
             if let Some(f) = node["failures"].as_u64() {
                 mirror(&self.redis_node_failures.with_label_values(&[name]), f);
             }
+        }
+        if let Some(n) = redis["repairs_raised"].as_u64() {
+            mirror(&self.repairs_raised, n);
         }
         for (result, field) in [
             ("decided", "cross_slot_requests"),

@@ -73,6 +73,8 @@ pub struct RedisEngine {
     cross_slot_refunds: AtomicU64,
     /// Redis time minus local time, from the last decision reply.
     offset_ms: std::sync::atomic::AtomicI64,
+    /// Repairs that found this replica's field below what it had confirmed.
+    repairs_raised: AtomicU64,
 }
 
 fn local_ms() -> u64 {
@@ -100,6 +102,10 @@ pub struct RedisStatus {
     pub cross_slot_refunds: u64,
     /// Mode, nodes, connections and failures per node.
     pub topology: crate::redis::topology::Topology,
+    /// Repairs that found this replica's field below what it had
+    /// confirmed: writes Redis lost (a failover to a replica that was
+    /// behind), restored by the repair.
+    pub repairs_raised: u64,
 }
 
 impl RedisEngine {
@@ -125,6 +131,7 @@ impl RedisEngine {
             cross_slot: AtomicU64::new(0),
             cross_slot_refunds: AtomicU64::new(0),
             offset_ms: std::sync::atomic::AtomicI64::new(0),
+            repairs_raised: AtomicU64::new(0),
         }
     }
 
@@ -293,6 +300,11 @@ impl RedisEngine {
                     let reply = self.redis.replay(keys, args, deadline).await?;
                     applied += reply.first().copied().unwrap_or(0).max(0) as u64;
                     let fenced = reply.get(2).copied().unwrap_or(0).max(0) as u64;
+                    let raised = reply.get(3).copied().unwrap_or(0).max(0) as u64;
+                    if raised > 0 {
+                        self.repairs_raised.fetch_add(raised, Ordering::Relaxed);
+                        tracing::warn!(raised, "Redis held less than this replica had confirmed (writes lost in a failover): the repair restored it");
+                    }
                     still_fenced = fenced;
                     if fenced == 0 {
                         break;
@@ -323,6 +335,7 @@ impl RedisEngine {
             cross_slot_requests: self.cross_slot.load(Ordering::Relaxed),
             cross_slot_refunds: self.cross_slot_refunds.load(Ordering::Relaxed),
             topology: self.redis.topology(),
+            repairs_raised: self.repairs_raised.load(Ordering::Relaxed),
         }
     }
 }

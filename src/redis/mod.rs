@@ -480,6 +480,13 @@ impl Redis {
                 self.node_failed(self.node_of(first_key.as_ref()));
                 Err(CallError::Timeout(self.deadline))
             }
+            // A Cluster refused to run it (a slot being moved, or no node
+            // serving the slot): provably not applied, so it may be sent
+            // again while the caller still waits.
+            Err(e) if refused_by_cluster(&e) => Err(CallError::NotConnected(format!(
+                "{} ({e})",
+                self.display_url
+            ))),
             Err(e) => {
                 self.node_failed(self.node_of(first_key.as_ref()));
                 Err(CallError::Redis(e.to_string()))
@@ -558,6 +565,16 @@ fn strip_token(value: Value, token: u64) -> Result<Value, Value> {
         }
         other => Err(other),
     }
+}
+
+/// A Cluster's refusal to run a command, which means it did not run:
+/// TRYAGAIN (some of its keys have moved with a slot being migrated) or
+/// CLUSTERDOWN (no node serves the slot, e.g. during a failover).
+fn refused_by_cluster(e: &fred::error::Error) -> bool {
+    let text = e.to_string();
+    ["TRYAGAIN", "CLUSTERDOWN"]
+        .iter()
+        .any(|code| e.details().starts_with(code) || text.contains(code))
 }
 
 /// Whether a PING's reply is its own message.

@@ -40,9 +40,10 @@
 -- ARGV[5 + 7*(i-1) ...] per entry: kind, algorithm (1 fixed, 2 sliding
 --          window, 4 token bucket), unit_ms, window index, value, limit, burst
 --
--- Reply: {entries written, now_ms, fenced}. Windows whose keys would
+-- Reply: {entries written, now_ms, fenced, raised}. Windows whose keys would
 -- already have expired are skipped: their usage can no longer matter.
--- fenced: the highest guard above this call's epoch (0: none), for entries
+-- raised: repairs that found the field below the value written (writes
+-- Redis lost). fenced: the highest guard above this call's epoch (0: none), for entries
 -- skipped because an epoch this replica never saw (a previous run's, with a
 -- clock that stepped back) guards them; the caller raises its epoch above
 -- it and replays again, so nothing is dropped without notice.
@@ -60,6 +61,7 @@ local version = 'v' .. me
 local epoch_n = tonumber(epoch)
 local written = 0
 local fenced = 0
+local raised = 0
 for i = 1, math.floor((#ARGV - 4) / 7) do
   local o = 5 + 7 * (i - 1)
   local kind = tonumber(ARGV[o])
@@ -114,6 +116,11 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
     elseif kind == 3 then
       redis.call('HSET', key, hold_field, math.max(0, value), version, epoch)
     else
+      -- Below what this replica had confirmed: Redis lost writes (a
+      -- failover that promoted a replica behind its primary), healed here.
+      if value > (tonumber(redis.call('HGET', key, me)) or 0) then
+        raised = raised + 1
+      end
       redis.call('HSET', key, me, value, fence, epoch)
       if algo == 4 and redis.call('EXISTS', base) == 1 then
         redis.call('HSET', base, fence, epoch)
@@ -123,4 +130,4 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
     written = written + 1
   end
 end
-return {written, now, fenced, token}
+return {written, now, fenced, raised, token}

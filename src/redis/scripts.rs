@@ -221,7 +221,8 @@ pub fn decode_decide(reply: &[i64], charges: usize) -> Result<DecideReply, Strin
 /// then on a Cluster each entry's window key;
 /// ARGV 1-3: index, epoch, margin; then 7 per entry: kind (1 local, 2
 /// repair), algorithm, unit_ms, window, value, limit, burst. Reply:
-/// `{entries written}`.
+/// `{entries written, now_ms, highest guard that fenced an entry out,
+/// repairs that raised a field Redis had lost}`.
 pub fn replay_args(
     prefix: &str,
     index: u64,

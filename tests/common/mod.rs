@@ -8,6 +8,7 @@
 pub mod cluster;
 pub mod netns;
 pub mod proxy;
+pub mod sentinel;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -5,6 +5,7 @@
 //! - [`e2e`]: the binary's surfaces, Envoy's filter, reload, startup and shutdown;
 //! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
 //! - [`cluster`]: the Redis engine on a real Redis Cluster: spread, slots, failover;
+//! - [`sentinel`]: behind Redis Sentinel: a failover that loses writes, healed;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
 //! - [`layout`]: key layout versions: replicas of two layouts, the move of windows;
@@ -21,5 +22,6 @@ mod hardening;
 mod layout;
 mod operations;
 mod redis_e2e;
+mod sentinel;
 mod tls;
 mod topology;

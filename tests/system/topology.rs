@@ -512,6 +512,70 @@ async fn replica_killed_under_load_is_routed_around() {
     }
 }
 
+/// compose.cluster.yaml, layered over compose.yaml, puts every replica on a
+/// 3-master Redis Cluster: three cluster-enabled nodes, a one-shot service
+/// that joins them, and each replica's redis_url naming every node (a URL
+/// leasehold accepts), started only once the cluster is made.
+#[test]
+fn the_cluster_compose_file_puts_every_replica_on_a_cluster() {
+    let compose = require("docker-compose");
+    let o = Command::new(&compose)
+        .arg("-f")
+        .arg(repo().join("compose.yaml"))
+        .arg("-f")
+        .arg(repo().join("compose.cluster.yaml"))
+        .arg("config")
+        .output()
+        .expect("docker-compose config");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let docs = yaml_rust2::YamlLoader::load_from_str(&text).expect("compose config is YAML");
+    let services = &docs[0]["services"];
+    let nodes = ["redis-node-1", "redis-node-2", "redis-node-3"];
+    for node in nodes {
+        let command: Vec<&str> = services[node]["command"]
+            .as_vec()
+            .expect("node command")
+            .iter()
+            .filter_map(|c| c.as_str())
+            .collect();
+        assert!(
+            command
+                .windows(2)
+                .any(|w| w == ["--cluster-enabled", "yes"]),
+            "{node}: {command:?}"
+        );
+    }
+    let init = format!("{:?}", services["redis-cluster-init"]["command"]);
+    assert!(init.contains("--cluster create"), "{init}");
+    for node in nodes {
+        assert!(init.contains(node), "the init joins {node}: {init}");
+        assert!(!services["redis-cluster-init"]["depends_on"][node].is_badvalue());
+    }
+    for e in &Layout::compose().replicas {
+        let svc = &services[e.host.as_str()];
+        let url = svc["environment"]["LEASEHOLD_REDIS_URL"]
+            .as_str()
+            .expect("redis url");
+        assert!(url.starts_with("redis-cluster://"), "{}: {url}", e.host);
+        for node in nodes {
+            assert!(url.contains(&format!("{node}:6379")), "{}: {url}", e.host);
+        }
+        assert_eq!(leasehold::redis::check_url(url), Ok(()), "{url}");
+        assert_eq!(
+            svc["environment"]["LEASEHOLD_REPLICA_ID"].as_str(),
+            Some(e.host.as_str()),
+            "the base file's settings are kept"
+        );
+        assert_eq!(
+            svc["depends_on"]["redis-cluster-init"]["condition"].as_str(),
+            Some("service_completed_successfully"),
+            "{}",
+            e.host
+        );
+    }
+}
+
 /// compose.yaml and the Dockerfile, checked without an engine: Debian's
 /// docker-compose parses the file (`config -q`); every mounted file exists;
 /// the mounted configs are exactly what the templates render for compose;
