@@ -1,7 +1,9 @@
 //! The Redis engine: one script call per request evaluates every charge
 //! atomically and all-or-nothing on Redis time (`redis.call('TIME')`), so any
 //! number of replicas enforce one limit exactly and replica clock skew
-//! changes nothing.
+//! changes nothing. On a Redis Cluster a request whose counters are in
+//! several slots takes one call per slot and stays all-or-nothing by taking
+//! back what a denied request charged ([`slots`]).
 //!
 //! # Counting twice is impossible by construction
 //!

@@ -272,6 +272,17 @@ impl Redis {
     /// sat idle through a fault and stalled. A connection being (re)made is
     /// skipped: its handshake proves it. Ok when at least one answered.
     pub async fn check_connections(&self, timeout: Duration) -> Result<(), CallError> {
+        if self.is_cluster() {
+            // Off Redis anyway: learn the slot map afresh first. After a
+            // failover, a client that reconnected while the old master was
+            // still listed would otherwise keep calling it.
+            let syncs = self.pool.clients().iter().map(|carrier| async move {
+                if let Ok(Err(e)) = tokio::time::timeout(timeout, carrier.sync_cluster()).await {
+                    tracing::debug!(error = %e, "refreshing the cluster's slot map");
+                }
+            });
+            futures::future::join_all(syncs).await;
+        }
         let pings = self.pool.clients().iter().map(|carrier| async move {
             if !carrier.is_connected() {
                 return Err(CallError::NotConnected(format!(

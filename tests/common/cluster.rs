@@ -63,6 +63,10 @@ impl RedisCluster {
                 // request that needs both).
                 "--cluster-require-full-coverage",
                 "no",
+                // A replica syncs at once rather than after the default
+                // five seconds of batching.
+                "--repl-diskless-sync-delay",
+                "0",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -104,6 +108,14 @@ impl RedisCluster {
             "the cluster did not become ready: {}",
             cluster.nodes[0].cli(&["CLUSTER", "NODES"])
         );
+        // A replica that never synced cannot take over from its master.
+        let synced = wait_until(Duration::from_secs(20), || {
+            cluster.nodes.iter().all(|n| {
+                let info = n.cli(&["INFO", "replication"]);
+                info.contains("role:master") || info.contains("master_link_status:up")
+            })
+        });
+        assert!(synced, "the replicas did not sync");
         cluster
     }
 
@@ -117,8 +129,8 @@ impl RedisCluster {
         url
     }
 
-    /// The nodes that are masters with slots now (by CLUSTER NODES of a
-    /// live node).
+    /// The live nodes that are masters with slots now (by CLUSTER NODES of
+    /// a live node).
     pub fn masters(&self) -> Vec<&RedisServer> {
         let Some(live) = self
             .nodes
@@ -130,6 +142,7 @@ impl RedisCluster {
         let table = live.cli(&["CLUSTER", "NODES"]);
         self.nodes
             .iter()
+            .filter(|n| n.cli(&["PING"]).trim() == "PONG")
             .filter(|n| {
                 table.lines().any(|l| {
                     let f: Vec<&str> = l.split_whitespace().collect();

@@ -186,13 +186,15 @@ const LIMIT: u64 = 50;
 /// Four replicas × 64 in flight on a 3-master cluster, 64 users against a
 /// limit of 50 each. With a 250 ms budget (every decision on Redis) each
 /// user, sent 78 requests, is admitted exactly 50; with the default
-/// settings, each sent 150, each is admitted at most 5% over and the total
+/// settings, each sent 200, each is admitted at most 5% over and the total
 /// is within 1% of 64 × 50. Redis then holds exactly the grants. The counters spread
 /// over all three masters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_replicas_on_a_cluster_admit_every_user_its_limit() {
     let dir = test_dir("cluster-exact");
-    let cluster = tokio::task::block_in_place(|| RedisCluster::start(&dir, 3, 1, 2_000));
+    // No replicas: they are not needed for exactness, and on two cores
+    // their replication would compete with the masters.
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start(&dir, 3, 0, 2_000));
     let url = cluster.url();
     let r = rules(
         &dir,
@@ -221,9 +223,9 @@ async fn four_replicas_on_a_cluster_admit_every_user_its_limit() {
             match budget {
                 Some(_) => Until::Calls(USERS as u64 * 78),
                 // The default budgets deny what a busy Redis does not answer
-                // in time (nothing charged), so each user is sent three
-                // times its limit.
-                None => Until::Calls(USERS as u64 * 150),
+                // in time (nothing charged), so each user is sent four times
+                // its limit.
+                None => Until::Calls(USERS as u64 * 200),
             },
         )
         .await;
@@ -248,7 +250,10 @@ async fn four_replicas_on_a_cluster_admit_every_user_its_limit() {
             .iter()
             .map(|rep| {
                 let d = &status(rep)["engine"]["decisions"];
-                format!("redis {} local {}", d["redis"], d["local"])
+                format!(
+                    "redis {} local {} unanswered {} wrong {}",
+                    d["redis"], d["local"], d["unanswered_denials"], d["wrong_denials"]
+                )
             })
             .collect();
         report.push(format!(
@@ -365,9 +370,13 @@ async fn a_request_across_slots_is_all_or_nothing() {
 
 /// A master killed with SIGKILL under load, its replica taking over
 /// (cluster-node-timeout 1 s), with the default settings: no client error
-/// (decisions go to leases while its slots are unavailable), no user
+/// (decisions go to leases while its slots are unavailable), no counter
 /// admitted more than 5% over its limit, and afterwards Redis's count of
-/// every user's window equals what was admitted.
+/// every counter's window equals what was admitted. Every fourth request
+/// also names a team (another slot, often on another master): while one
+/// of its slots is served and the other is failing over, such a request is
+/// decided on the lease as a whole, what its served slot charged taken
+/// back, so it is counted once, never half.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_under_load_costs_no_error_and_no_usage() {
     let dir = test_dir("cluster-failover");
@@ -376,7 +385,7 @@ async fn a_master_killed_under_load_costs_no_error_and_no_usage() {
     let limit = 200u64;
     let r = rules(
         &dir,
-        &format!("domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: {limit}}}\n"),
+        &format!("domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: {limit}}}\n  - key: team\n    rate_limit: {{unit: minute, requests_per_unit: 100000}}\n"),
     );
     let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
     let replicas = tokio::task::block_in_place(|| start_replicas("f", 4, &r, &env, &dir));
@@ -390,8 +399,16 @@ async fn a_master_killed_under_load_costs_no_error_and_no_usage() {
                 &cs,
                 |i| {
                     let user = format!("u{}", i % 32);
-                    let req = single("edge", &[("user", &user)]);
-                    (user, req)
+                    if i % 4 == 0 {
+                        let team = format!("t{}", i % 3);
+                        let req = request(
+                            "edge",
+                            vec![desc(&[("user", &user)]), desc(&[("team", &team)])],
+                        );
+                        (format!("{user}+{team}"), req)
+                    } else {
+                        (user.clone(), single("edge", &[("user", &user)]))
+                    }
                 },
                 Until::Elapsed(Duration::from_secs(10)),
             )
@@ -407,7 +424,14 @@ async fn a_master_killed_under_load_costs_no_error_and_no_usage() {
         .expect("victim");
     tokio::task::block_in_place(|| node.kill());
     let failed_over = tokio::task::block_in_place(|| {
-        wait_until(Duration::from_secs(15), || cluster.masters().len() == 3)
+        wait_until(Duration::from_secs(15), || {
+            cluster.masters().len() == 3
+                && cluster
+                    .nodes
+                    .iter()
+                    .filter(|n| n.port != victim)
+                    .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        })
     });
     let result = load.await.expect("join");
     assert!(failed_over, "a replica took over");
@@ -421,27 +445,47 @@ async fn a_master_killed_under_load_costs_no_error_and_no_usage() {
     for rep in &replicas {
         let e = &status(rep)["engine"];
         report.push(format!(
-            "redis {} local {} data loss {} transitions {}",
+            "redis {} local {} data loss {} raised {} cross-slot {}/{} transitions {}",
             e["decisions"]["redis"],
             e["decisions"]["local"],
             e["replay"]["data_loss_detected"],
+            e["redis"]["repairs_raised"],
+            e["redis"]["cross_slot_refunds"],
+            e["redis"]["cross_slot_requests"],
             e["breaker"]["transitions"]
         ));
     }
-    let mut worst = Vec::new();
-    for (user, ok) in &result.ok {
-        let key = format!("lh:v2{{edge|user={user}#60:fw}}@{window}");
-        let in_redis = cluster.window_total(&key).unwrap_or(0);
-        if *ok > limit + limit / 20 || in_redis != *ok as i64 {
-            worst.push(format!("{user}: admitted {ok}, Redis {in_redis}"));
+    // Admitted per counter: a request for "u1+t2" counts for both.
+    let mut per_counter: HashMap<String, u64> = HashMap::new();
+    for (label, ok) in &result.ok {
+        for part in label.split('+') {
+            let key = if part.starts_with('t') {
+                "team"
+            } else {
+                "user"
+            };
+            *per_counter.entry(format!("{key}={part}")).or_default() += ok;
         }
     }
-    let total: u64 = result.ok.values().sum();
+    let mut worst = Vec::new();
+    for (counter, ok) in &per_counter {
+        let key = format!("lh:v2{{edge|{counter}#60:fw}}@{window}");
+        let in_redis = cluster.window_total(&key).unwrap_or(0);
+        let over = counter.starts_with("user") && *ok > limit + limit / 20;
+        if over || in_redis != *ok as i64 {
+            worst.push(format!("{counter}: admitted {ok}, Redis {in_redis}"));
+        }
+    }
+    let users: u64 = per_counter
+        .iter()
+        .filter(|(c, _)| c.starts_with("user"))
+        .map(|(_, n)| n)
+        .sum();
     eprintln!(
-        "killed {victim}; admitted {total} for {} users; settled {settled}; {report:?}",
-        result.ok.len()
+        "killed {victim}; admitted {users} for 32 users; counters {}; settled {settled}; {report:?}",
+        per_counter.len()
     );
-    assert_eq!(result.ok.len(), 32, "{report:?}");
+    assert_eq!(per_counter.len(), 35, "32 users and 3 teams: {report:?}");
     assert!(settled, "{report:?}\n{}", unsettled(&replicas));
     assert!(worst.is_empty(), "{worst:?}\n{report:?}");
 }
