@@ -25,6 +25,21 @@ pub struct RawItem {
     pub total: i64,
     /// What the call changed this replica's field by (0 when denied).
     pub delta: i64,
+    /// The store's time this charge was decided at, when it is not the
+    /// reply's (a request decided across Redis Cluster slots, one call
+    /// and one clock per slot); 0: the reply's `now_ms`.
+    pub at_ms: u64,
+}
+
+impl RawItem {
+    /// The store's time this charge was decided at.
+    pub fn decided_at(&self, reply_now_ms: u64) -> u64 {
+        if self.at_ms > 0 {
+            self.at_ms
+        } else {
+            reply_now_ms
+        }
+    }
 }
 
 /// A decoded decision reply.

@@ -178,6 +178,7 @@ impl RedisEngine {
         index: u64,
         expected: &[(i64, u64)],
         presume: &Presume,
+        pinned: bool,
     ) -> Result<DecideReply, CallError> {
         let call_id = format!(
             "{}.{}",
@@ -193,6 +194,7 @@ impl RedisEngine {
             presume,
             boot: &self.boot,
             windows_at: self.redis.is_cluster().then(|| self.redis_now_ms()),
+            pinned,
         };
         let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
         let slot = batch
@@ -236,27 +238,32 @@ impl RedisEngine {
                     .await;
             }
         }
-        self.decide_in_slot(batch, index, expected, presume).await
+        self.decide_in_slot(batch, index, expected, presume, false)
+            .await
     }
 
     /// One script call for charges that share a slot (any charges on one
-    /// Redis), retried once when fenced.
+    /// Redis), retried once when fenced. `pinned`: a take-back, decided in
+    /// the windows `expected` names ([`slots`]).
     async fn decide_in_slot(
         &self,
         batch: &Batch,
         index: u64,
         expected: &[(i64, u64)],
         presume: &Presume,
+        pinned: bool,
     ) -> Result<RawReply, CallError> {
-        match self.call(batch, index, expected, presume).await? {
+        match self.call(batch, index, expected, presume, pinned).await? {
             DecideReply::Decided(reply) => Ok(reply),
             // Fenced: a rewrite happened after this call's epoch was read.
-            DecideReply::Fenced => match self.call(batch, index, expected, presume).await? {
-                DecideReply::Decided(reply) => Ok(reply),
-                DecideReply::Fenced => Err(CallError::Reply(
-                    "call fenced twice by a concurrent rewrite".into(),
-                )),
-            },
+            DecideReply::Fenced => {
+                match self.call(batch, index, expected, presume, pinned).await? {
+                    DecideReply::Decided(reply) => Ok(reply),
+                    DecideReply::Fenced => Err(CallError::Reply(
+                        "call fenced twice by a concurrent rewrite".into(),
+                    )),
+                }
+            }
         }
     }
 

@@ -22,7 +22,8 @@
 --          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
 --          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota;
 --          bit 3: the caller holds the demand of the previous window, so a
---          fixed window need not read it),
+--          fixed window need not read it; bit 4: a take-back, decided in
+--          window expected_w rather than the current one),
 --          expected: this replica's confirmed count in window `expected_w`
 --          (-1 unknown), expected_w (when the call lands in that window and
 --          the field is below it, Redis lost data), the fraction of the
@@ -206,6 +207,10 @@ local function decide(KEYS, ARGV, now)
     local flags = tonumber(ARGV[o + 5])
     local refund = flags % 2 == 1
     local demand_known = math.floor(flags / 8) % 2 == 1
+    -- bit 4: a take-back (fixed and sliding window): decided in window
+    -- expected_w, the one the charge it reverses landed in, whatever the
+    -- time now.
+    local pinned = math.floor(flags / 16) % 2 == 1
     local expected = tonumber(ARGV[o + 6])
     local expected_w = tonumber(ARGV[o + 7])
     local fraction = tonumber(ARGV[o + 8]) or 0
@@ -217,6 +222,7 @@ local function decide(KEYS, ARGV, now)
 
     if algo == 1 or algo == 2 then
       local w = math.floor(now / unit)
+      if pinned then w = expected_w end
       local key = base .. '@' .. w
       local cur = window(key)
       if cur.fence > epoch then stale = true end
@@ -232,7 +238,7 @@ local function decide(KEYS, ARGV, now)
       end
       if algo == 2 then
         if prev.fence > epoch then stale = true end
-        if prev.total > 0 then
+        if prev.total > 0 and not pinned then
           weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
         end
       end

@@ -10,8 +10,9 @@
 -- KEYS[6]  incarnation: a token created once per Redis dataset; when it
 --          changes, Redis lost its data (restarted empty or failed over)
 -- KEYS[7]  on Redis: sorted set, id -> last beat made while deciding on Redis
--- KEYS[8]  layouts: hash, id -> the key layout it counts in (none: layout 1,
---          the releases before layout versions)
+-- KEYS[8]  layouts: hash, id -> "<layout>:<time of the beat that said so>"
+--          (none, or older than the member's last beat: layout 1, the
+--          releases before layout versions)
 -- KEYS[9]  the layout whose windows are in place: deleted while a live
 --          member counts in an older one, whose windows must then be moved
 --          again once it has left
@@ -58,7 +59,10 @@ if ARGV[4] == 'leave' then
 end
 redis.call('SET', KEYS[1], nonce, 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, id)
-redis.call('HSET', KEYS[8], id, ARGV[7])
+-- The layout with the time of this beat: an entry older than the
+-- member's last beat was not written by it (a release before layout
+-- versions, beating under the same id), so it reads as layout 1.
+redis.call('HSET', KEYS[8], id, ARGV[7] .. ':' .. now)
 if ARGV[4] == 'beat' then
   redis.call('ZADD', KEYS[7], now, id)
 elseif ARGV[4] == 'held' then
@@ -111,7 +115,14 @@ local layouts = {}
 if #live > 0 then
   local mine = tonumber(ARGV[7])
   for i, v in ipairs(redis.call('HMGET', KEYS[8], unpack(live))) do
-    layouts[i] = tonumber(v) or 1
+    local layout, at = 1, nil
+    if v then
+      local l, t = string.match(v, '^(%d+):(%d+)$')
+      layout, at = tonumber(l), tonumber(t)
+    end
+    local seen = tonumber(redis.call('ZSCORE', KEYS[2], live[i]))
+    if not layout or not at or not seen or at < seen then layout = 1 end
+    layouts[i] = layout
     if layouts[i] < mine then
       redis.call('DEL', KEYS[9])
     end

@@ -20,7 +20,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::migrate::LayoutState;
+use super::migrate::{LayoutState, Moved};
 use super::{keys, CallError, Redis};
 
 /// What this replica knows about membership.
@@ -102,6 +102,11 @@ pub struct Membership {
     /// Held while a migration runs, so beats from the heartbeat loop and
     /// from a probe never start two.
     migrating: tokio::sync::Mutex<()>,
+    /// Bumped by every beat that sees a live member of an older layout: a
+    /// move that ran meanwhile is not marked done.
+    layout_generation: std::sync::atomic::AtomicU64,
+    /// Where the move of an older layout's windows goes on from.
+    migration_cursor: parking_lot::Mutex<String>,
 }
 
 /// The layout this replica announces: [`keys::LAYOUT`]; test builds only
@@ -117,10 +122,6 @@ fn announced_layout() -> u32 {
     }
     keys::LAYOUT
 }
-
-/// How long one migration attempt may run; one cut short is picked up by
-/// the next beat (keys already moved are not found again).
-const MIGRATION_BUDGET: Duration = Duration::from_secs(30);
 
 impl Membership {
     pub fn new(
@@ -147,6 +148,8 @@ impl Membership {
                 ..MemberState::default()
             }),
             migrating: tokio::sync::Mutex::new(()),
+            layout_generation: std::sync::atomic::AtomicU64::new(0),
+            migration_cursor: parking_lot::Mutex::new("0".to_owned()),
         }
     }
 
@@ -211,9 +214,11 @@ impl Membership {
 
     /// One heartbeat: registers or refreshes, and updates the live list.
     pub async fn beat(&self) -> Result<(), MembershipError> {
+        // Until its layout is known to be in place a replica counts
+        // nothing on Redis, so it says so from its very first beat.
         let held = {
             let s = self.state.read();
-            s.index.is_some() && (!s.older_layouts.is_empty() || !s.layout_ready)
+            !s.older_layouts.is_empty() || !s.layout_ready
         };
         let action = if held {
             "held"
@@ -271,6 +276,7 @@ impl Membership {
                     if !older.is_empty() {
                         // Their windows must be moved again once they have left.
                         s.layout_ready = false;
+                        self.layout_generation.fetch_add(1, Ordering::SeqCst);
                     }
                     s.older_layouts = older;
                     s.newer_layouts = newer;
@@ -302,29 +308,59 @@ impl Membership {
     }
 
     /// Moves an older layout's windows when no live member counts in it
-    /// any more (or finds them moved); until then this replica has no
-    /// index to count with.
+    /// any more (or finds them moved), a heartbeat's worth at a time; until
+    /// they are in place this replica has no index to count with. The move
+    /// is marked done only if no beat saw a member of an older layout while
+    /// it ran (one that starts in its last heartbeat is seen at the next,
+    /// which unmarks it, and its windows are moved again once it leaves).
     async fn ensure_layout(&self) -> Result<(), MembershipError> {
         let Ok(_running) = self.migrating.try_lock() else {
             return Ok(());
         };
-        let attempt = self.redis.ensure_layout(&self.prefix, &self.nonce);
-        let state = match tokio::time::timeout(MIGRATION_BUDGET, attempt).await {
+        let generation = self.layout_generation.load(Ordering::SeqCst);
+        let cursor = self.migration_cursor.lock().clone();
+        let budget = self.every.max(Duration::from_secs(1));
+        let attempt = self
+            .redis
+            .migrate_layout(&self.prefix, &self.nonce, &cursor, budget);
+        // Bounded even if Redis stops answering in the middle of a page.
+        let state = match tokio::time::timeout(budget * 4, attempt).await {
             Ok(r) => r?,
-            Err(_) => {
-                tracing::warn!(replica_id = %self.id, "moving the older layout's windows takes longer than {MIGRATION_BUDGET:?}; carrying on at the next heartbeat");
+            Err(_) => return Ok(()),
+        };
+        let moved = match state {
+            LayoutState::InPlace => {
+                self.state.write().layout_ready = true;
                 return Ok(());
             }
-        };
-        if let LayoutState::Ready(moved) = state {
-            let mut s = self.state.write();
-            if moved.renamed + moved.merged > 0 {
-                tracing::info!(replica_id = %self.id, renamed = moved.renamed, merged = moved.merged, layout = s.layout, "moved the older layout's live windows to the current layout");
+            LayoutState::Busy => return Ok(()),
+            LayoutState::Partial(moved, next) => {
+                *self.migration_cursor.lock() = next;
+                self.count_moved(moved);
+                return Ok(());
             }
-            s.migrated_keys += moved.renamed + moved.merged;
+            LayoutState::Moved(moved) => moved,
+        };
+        self.count_moved(moved);
+        *self.migration_cursor.lock() = "0".to_owned();
+        let unchanged = generation == self.layout_generation.load(Ordering::SeqCst)
+            && self.state.read().older_layouts.is_empty();
+        if unchanged && self.redis.mark_layout(&self.prefix, &self.nonce).await? {
+            let mut s = self.state.write();
+            if s.migrated_keys > 0 {
+                tracing::info!(replica_id = %self.id, moved = s.migrated_keys, layout = s.layout, "the older layout's live windows are in their current place");
+            }
             s.layout_ready = true;
+        } else {
+            self.redis
+                .release_layout_lock(&self.prefix, &self.nonce)
+                .await?;
         }
         Ok(())
+    }
+
+    fn count_moved(&self, moved: Moved) {
+        self.state.write().migrated_keys += moved.renamed + moved.merged;
     }
 
     /// Startup registration. A conflict is retried for a little longer than
@@ -336,9 +372,9 @@ impl Membership {
         loop {
             match self.beat().await {
                 Ok(()) => {
-                    if !self.state.read().older_layouts.is_empty() {
-                        // Say at once that this replica is held back, before
-                        // it grants anything on its lease.
+                    if self.index().is_some() {
+                        // The first beat said "held" (the layout was not
+                        // known yet); say at once that it decides on Redis.
                         let _ = self.beat().await;
                     }
                     return Ok(());

@@ -74,6 +74,7 @@ pub struct Redis {
     members: Script,
     replay: Script,
     migrate: Script,
+    lock: Script,
     /// The next call's token (see the module docs).
     tokens: AtomicU64,
     /// Decision calls waiting for their connection ([`batch`]).
@@ -125,31 +126,35 @@ pub fn check_url(url: &str) -> Result<(), String> {
 
 /// The URL with every password replaced by `***`: the one in the
 /// authority (`user:password@`, or a lone `password@`) and any query
-/// parameter whose name contains "password" (`sentinelPassword`).
+/// parameter whose name contains "password" (`sentinelPassword`). The
+/// authority ends at the last `@` before the query's first `=`, so a
+/// password with a `?` or `/` in it is hidden too; without a scheme
+/// everything up to the last `@` is.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme) = url.find("://") else {
-        return url.to_owned();
-    };
-    let after = scheme + 3;
-    let (rest, query) = match url[after..].find('?') {
-        Some(q) => (&url[after..after + q], Some(&url[after + q + 1..])),
-        None => (&url[after..], None),
-    };
+    let after = url.find("://").map_or(0, |s| s + 3);
+    let rest = &url[after..];
+    let params_from = rest.find('=').unwrap_or(rest.len());
+    let at = rest[..params_from].rfind('@');
     let mut out = String::with_capacity(url.len());
     out.push_str(&url[..after]);
-    match rest.rfind('@') {
+    let tail = match at {
         Some(at) => {
             match rest[..at].split_once(':') {
-                Some((user, _)) => {
+                Some((user, _)) if after > 0 => {
                     out.push_str(user);
                     out.push_str(":***");
                 }
-                None => out.push_str("***"),
+                _ => out.push_str("***"),
             }
-            out.push_str(&rest[at..]);
+            &rest[at..]
         }
-        None => out.push_str(rest),
-    }
+        None => rest,
+    };
+    let (host, query) = match tail.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (tail, None),
+    };
+    out.push_str(host);
     if let Some(query) = query {
         out.push('?');
         let pairs: Vec<String> = query
@@ -225,6 +230,7 @@ impl Redis {
             members: Script::new(MEMBERS_LUA),
             replay: Script::new(REPLAY_LUA),
             migrate: Script::new(migrate::MIGRATE_LUA),
+            lock: Script::new(migrate::LOCK_LUA),
             tokens: AtomicU64::new(1),
             queues: batch::Queues::new(cfg.pool_size),
             batches: AtomicU64::new(0),
@@ -644,6 +650,13 @@ mod tests {
             redact_url("redis-sentinel://s:1?sentinelServiceName=a@b&sentinelPassword=x"),
             "redis-sentinel://s:1?sentinelServiceName=a@b&sentinelPassword=***"
         );
+        // A password with '?' or '/' in it, and a URL without a scheme.
+        assert_eq!(redact_url("redis://u:pa?ss@h:6379"), "redis://u:***@h:6379");
+        assert_eq!(
+            redact_url("redis://u:p/a@h:6379/0"),
+            "redis://u:***@h:6379/0"
+        );
+        assert_eq!(redact_url("u:secret@h:6379"), "***@h:6379");
     }
 
     #[test]

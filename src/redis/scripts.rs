@@ -73,6 +73,9 @@ pub struct DecideCall<'a> {
     /// window keys each charge touches are then declared too (see
     /// [`declared_windows`]).
     pub windows_at: Option<u64>,
+    /// A take-back: each fixed or sliding window charge is decided in the
+    /// window of its `expected` pair, not the current one.
+    pub pinned: bool,
 }
 
 /// The window keys a charge reads or writes at Redis time `now_ms`, for a
@@ -118,7 +121,7 @@ fn index_list(indices: &[u64]) -> Value {
 /// presumed peers and silent members (comma-separated indices); then 11 per
 /// charge: algorithm, limit, unit_ms, burst, hits (clamped to
 /// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role, bit 3 demand of the
-/// previous window known), expected count,
+/// previous window known, bit 4 take-back in the expected window), expected count,
 /// expected window, presumed fraction per member, may-prove flag, own
 /// local count not replayed yet. The Redis module appends the call's token
 /// (see its docs) and strips it from the reply.
@@ -131,8 +134,12 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<Strin
     if let Some(now_ms) = call.windows_at {
         for (i, c) in batch.charges.iter().enumerate() {
             let demand_known = call.presume.charges.get(i).is_some_and(|p| p.demand_known);
+            let at = match call.expected.get(i) {
+                Some(&(_, w)) if call.pinned => w * c.spec.unit.millis(),
+                _ => now_ms,
+            };
             let base = keys[i].clone();
-            declared_windows(&base, c, demand_known, now_ms, &mut keys);
+            declared_windows(&base, c, demand_known, at, &mut keys);
         }
     }
     // Numbers go as integers: fred writes them straight into the request,
@@ -159,7 +166,10 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<Strin
         args.push(int(u64::from(c.spec.burst)));
         args.push(int(c.hits.min(MAX_HITS)));
         let pc = p.charges.get(i).copied().unwrap_or_default();
-        let flags = u8::from(c.refund) + 2 * role_code(c.role) + 8 * u8::from(pc.demand_known);
+        let flags = u8::from(c.refund)
+            + 2 * role_code(c.role)
+            + 8 * u8::from(pc.demand_known)
+            + 16 * u8::from(call.pinned);
         args.push(int(u64::from(flags)));
         let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
         args.push(Value::Integer(count));
@@ -207,6 +217,7 @@ pub fn decode_decide(reply: &[i64], charges: usize) -> Result<DecideReply, Strin
             own: r[3],
             total: r[4],
             delta: r[5],
+            at_ms: 0,
         })
         .collect();
     Ok(DecideReply::Decided(RawReply {
@@ -312,7 +323,8 @@ mod tests {
                 reset_ms: 900,
                 own: 3,
                 total: 10,
-                delta: 1
+                delta: 1,
+                at_ms: 0
             }]
         );
         assert_eq!(decode_decide(&[-1], 3), Ok(DecideReply::Fenced));

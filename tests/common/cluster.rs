@@ -175,14 +175,7 @@ impl RedisCluster {
 
     /// A window's total over its count fields, wherever it lives.
     pub fn window_total(&self, key: &str) -> Option<i64> {
-        let flat = self.cli(&["HGETALL", key]);
-        let lines: Vec<&str> = flat.lines().collect();
-        if lines.is_empty() {
-            return None;
-        }
-        Some(leasehold::redis::keys::window_total(
-            lines.chunks_exact(2).map(|p| (p[0], p[1])),
-        ))
+        super::window_total_of(&self.cli(&["HGETALL", key]))
     }
 
     /// The counter keys on each master (matching `pattern`).

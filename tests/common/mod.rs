@@ -147,6 +147,14 @@ impl Leasehold {
         }
     }
 
+    /// /status, parsed (null when it cannot be read).
+    pub fn status(&self) -> serde_json::Value {
+        get(self.admin, "/status")
+            .ok()
+            .and_then(|r| serde_json::from_str(&r.body).ok())
+            .unwrap_or_default()
+    }
+
     pub fn grpc_uri(&self) -> String {
         format!("http://{}", self.grpc)
     }
@@ -159,6 +167,23 @@ pub fn write_rules(dir: &Path, file: &str, text: &str) -> PathBuf {
     std::fs::create_dir_all(&rules).expect("mkdir rules");
     std::fs::write(rules.join(file), text).expect("write rules");
     rules
+}
+
+/// Wall-clock milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Waits until at least `need_ms` remain in the current `unit_ms` window,
+/// so a counting run never straddles two windows.
+pub async fn wait_for_room(unit_ms: u64, need_ms: u64) {
+    let into = now_ms() % unit_ms;
+    if unit_ms - into < need_ms {
+        tokio::time::sleep(Duration::from_millis(unit_ms - into + 50)).await;
+    }
 }
 
 /// A directory for logs and configs that survives for inspection when the
@@ -294,14 +319,7 @@ impl RedisServer {
     /// ones included), as leasehold's key layout defines it; None when the
     /// key does not exist.
     pub fn window_total(&self, key: &str) -> Option<i64> {
-        let flat = self.cli(&["HGETALL", key]);
-        let lines: Vec<&str> = flat.lines().collect();
-        if lines.is_empty() {
-            return None;
-        }
-        Some(leasehold::redis::keys::window_total(
-            lines.chunks_exact(2).map(|p| (p[0], p[1])),
-        ))
+        window_total_of(&self.cli(&["HGETALL", key]))
     }
 
     /// Every key (SCAN), sorted.
@@ -336,6 +354,18 @@ impl RedisServer {
         );
         self.wait_ready();
     }
+}
+
+/// A window's total from redis-cli's HGETALL output; None when empty (no
+/// such key).
+pub fn window_total_of(hgetall: &str) -> Option<i64> {
+    let lines: Vec<&str> = hgetall.lines().collect();
+    if lines.is_empty() {
+        return None;
+    }
+    Some(leasehold::redis::keys::window_total(
+        lines.chunks_exact(2).map(|p| (p[0], p[1])),
+    ))
 }
 
 /// One descriptor of (key, value) entries.

@@ -19,20 +19,17 @@ pub struct RedisSentinel {
 
 impl RedisSentinel {
     /// The primary fails over once it has been down for `down_after_ms`.
-    /// The replica replicates from the port `link` returns for the
-    /// primary's (the primary's own, or a proxy's in front of it).
-    pub fn start(dir: &Path, down_after_ms: u64, link: impl FnOnce(u16) -> u16) -> RedisSentinel {
+    pub fn start(dir: &Path, down_after_ms: u64) -> RedisSentinel {
         let primary_dir = dir.join("primary");
         let replica_dir = dir.join("replica");
         for d in [&primary_dir, &replica_dir] {
             std::fs::create_dir_all(d).expect("mkdir");
         }
         let primary = RedisServer::start("redis-primary", &primary_dir);
-        let via = link(primary.port);
         let replica = RedisServer::start_with(
             "redis-replica",
             &replica_dir,
-            &["--replicaof", "127.0.0.1", &via.to_string()],
+            &["--replicaof", "127.0.0.1", &primary.port.to_string()],
         );
         let synced = wait_until(Duration::from_secs(10), || {
             replica
@@ -118,6 +115,8 @@ impl RedisSentinel {
 
 impl Drop for RedisSentinel {
     fn drop(&mut self) {
+        // A paused replica would not stop on SIGTERM.
+        let _ = self.replica.proc.signal("CONT");
         for (_, p) in &mut self.sentinels {
             p.kill();
         }

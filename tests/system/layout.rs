@@ -7,46 +7,23 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use crate::common::{get, single, test_dir, wait_until, Leasehold, RedisServer};
+use crate::common::{
+    now_ms, single, test_dir, wait_for_room, wait_until, write_rules, Leasehold, RedisServer,
+};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 
 fn rules(dir: &Path, limit: u32) -> PathBuf {
-    let d = dir.join("rules");
-    std::fs::create_dir_all(&d).expect("mkdir");
     let text = format!(
         "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: {limit}}}\n"
     );
-    std::fs::write(d.join("rules.yaml"), text).expect("write");
-    d
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// Waits until at least `need_ms` remain in the current minute.
-async fn wait_for_room(need_ms: u64) {
-    let into = now_ms() % 60_000;
-    if 60_000 - into < need_ms {
-        tokio::time::sleep(Duration::from_millis(60_000 - into + 50)).await;
-    }
-}
-
-fn status(server: &Leasehold) -> serde_json::Value {
-    get(server.admin, "/status")
-        .ok()
-        .and_then(|r| serde_json::from_str(&r.body).ok())
-        .unwrap_or_default()
+    write_rules(dir, "rules.yaml", &text)
 }
 
 fn membership(server: &Leasehold) -> serde_json::Value {
-    status(server)["engine"]["redis"]["membership"].clone()
+    server.status()["engine"]["redis"]["membership"].clone()
 }
 
 /// Short heartbeats so the test does not wait out the 5 s default TTL; the
@@ -79,7 +56,7 @@ async fn admitted(server: &Leasehold, user: &str, n: usize) -> usize {
 }
 
 fn healthy(server: &Leasehold) -> bool {
-    status(server)["engine"]["breaker"]["state"] == "healthy"
+    server.status()["engine"]["breaker"]["state"] == "healthy"
 }
 
 /// A replica of the releases before layout versions, as Redis sees it: its
@@ -100,6 +77,10 @@ impl OldReplica {
         redis.cli(&["HSET", "lh:{leasehold}:index", id, index]);
         redis.cli(&["HSET", "lh:{leasehold}:index-owner", index, id]);
         redis.cli(&["SET", "lh:{leasehold}:next-index", index]);
+        // A layout this id announced long ago (a newer release ran under
+        // it, then was rolled back): the old release's beats do not renew
+        // it, so it must not count.
+        redis.cli(&["HSET", "lh:{leasehold}:layouts", id, "2:1000"]);
         let live = Arc::new(AtomicBool::new(true));
         let (flag, port, id) = (live.clone(), redis.port.to_string(), id.to_owned());
         let beat_id = id.clone();
@@ -153,7 +134,7 @@ async fn a_replica_waits_for_an_older_layout_then_moves_its_windows() {
     let redis = RedisServer::start("redis", &dir);
     let url = redis.url();
     let r = rules(&dir, 10);
-    wait_for_room(30_000).await;
+    wait_for_room(60_000, 30_000).await;
     let mut old = OldReplica::register(&redis, "old-1", "1");
     // The old replica admitted 7 of the 10 in this window, on Redis.
     let w = now_ms() / 60_000;
@@ -172,7 +153,7 @@ async fn a_replica_waits_for_an_older_layout_then_moves_its_windows() {
     assert_eq!(m["layout"], 2, "{m}");
     // Beside it, on its lease: 2 admitted, none decided on Redis.
     assert_eq!(admitted(&server, "a", 2).await, 2);
-    let s = status(&server);
+    let s = server.status();
     assert_eq!(s["engine"]["decisions"]["redis"], 0, "{s}");
     assert_eq!(s["engine"]["decisions"]["local"], 2, "{s}");
     // Held back: recorded as not on Redis for longer than the TTL at once,
@@ -217,7 +198,7 @@ async fn a_replica_waits_for_an_older_layout_then_moves_its_windows() {
     assert!(
         wait_until(Duration::from_secs(20), || healthy(&server)),
         "{}",
-        status(&server)
+        server.status()
     );
     // Its lease grants were replayed into the moved window: 7 + 2.
     assert_eq!(
@@ -240,17 +221,17 @@ async fn replicas_announcing_two_layouts_share_one_limit() {
     let redis = RedisServer::start("redis", &dir);
     let url = redis.url();
     let r = rules(&dir, 20);
-    wait_for_room(40_000).await;
+    wait_for_room(60_000, 40_000).await;
     let older = Leasehold::start("older", &r, &[], &env(&url), &dir);
     let mut newer_env = env(&url);
     newer_env.push(("LH_FAULT_LAYOUT", "3"));
     let newer = Leasehold::start("newer", &r, &[], &newer_env, &dir);
-    let older_id = status(&older)["engine"]["redis"]["replica_id"]
+    let older_id = older.status()["engine"]["redis"]["replica_id"]
         .as_str()
         .expect("id")
         .to_owned();
     let newer_index = membership(&newer)["index"].as_u64().expect("index");
-    let topology = &status(&older)["engine"]["redis"]["topology"];
+    let topology = &older.status()["engine"]["redis"]["topology"];
     assert_eq!(topology["mode"], "standalone", "{topology}");
     assert_eq!(topology["nodes"][0]["connected"], true, "{topology}");
     // Each sees the other, and only the newer one stays off Redis.
@@ -278,8 +259,8 @@ async fn replicas_announcing_two_layouts_share_one_limit() {
     let on_lease = admitted(&newer, "u", 8).await;
     assert_eq!(on_lease, 8, "within its share of 20");
     let on_redis = admitted(&older, "u", 30).await;
-    let so = status(&older);
-    let sn = status(&newer);
+    let so = older.status();
+    let sn = newer.status();
     assert_eq!(sn["engine"]["decisions"]["redis"], 0, "{sn}");
     assert_eq!(so["engine"]["decisions"]["local"], 0, "{so}");
     assert!(
@@ -295,7 +276,7 @@ async fn replicas_announcing_two_layouts_share_one_limit() {
     assert!(
         wait_until(Duration::from_secs(20), || healthy(&newer)),
         "{}",
-        status(&newer)
+        newer.status()
     );
     assert_eq!(
         redis.window_total(&key),

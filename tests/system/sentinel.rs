@@ -3,34 +3,16 @@
 //! healed. Run one test at a time.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use crate::common::proxy::{FaultProxy, Mode};
 use crate::common::sentinel::RedisSentinel;
-use crate::common::{get, single, test_dir, wait_until, Leasehold};
+use crate::common::{get, now_ms, single, test_dir, wait_until, write_rules, Leasehold};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
 fn rules(dir: &Path, text: &str) -> PathBuf {
-    let d = dir.join("rules");
-    std::fs::create_dir_all(&d).expect("mkdir");
-    std::fs::write(d.join("rules.yaml"), text).expect("write");
-    d
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-fn status(server: &Leasehold) -> serde_json::Value {
-    get(server.admin, "/status")
-        .ok()
-        .and_then(|r| serde_json::from_str(&r.body).ok())
-        .unwrap_or_default()
+    write_rules(dir, "rules.yaml", text)
 }
 
 /// `n` requests for user `u`, one after the other: (admitted, errors).
@@ -46,8 +28,8 @@ async fn send(c: &mut RateLimitServiceClient<Channel>, n: usize) -> (u64, u64) {
     (ok, errors)
 }
 
-/// The primary takes 20 writes its replica never sees (the replication
-/// link goes through a proxy that stops forwarding), then dies (SIGKILL); the sentinels promote the
+/// The primary takes 20 writes its replica never sees (the replica paused
+/// with SIGSTOP and its link closed first), then dies (SIGKILL); the sentinels promote the
 /// replica, which lacks them. leasehold finds its own field below what it
 /// knows it wrote, re-asserts its counts, and the limit holds: at most 5%
 /// over it in all, and afterwards the new primary holds exactly the
@@ -55,18 +37,7 @@ async fn send(c: &mut RateLimitServiceClient<Channel>, n: usize) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_lost_in_a_failover_are_detected_and_healed() {
     let dir = test_dir("sentinel");
-    // The replica replicates through a proxy, so its link can be cut while
-    // the primary keeps taking writes.
-    let mut link = None;
-    let mut deployment = tokio::task::block_in_place(|| {
-        RedisSentinel::start(&dir, 1_000, |primary| {
-            let proxy = tokio::runtime::Handle::current().block_on(FaultProxy::start(primary));
-            let port = proxy.port;
-            link = Some(proxy);
-            port
-        })
-    });
-    let link = link.expect("replication proxy");
+    let mut deployment = tokio::task::block_in_place(|| RedisSentinel::start(&dir, 1_000));
     let url = deployment.url();
     let limit = 100u64;
     let r = rules(
@@ -85,15 +56,15 @@ async fn writes_lost_in_a_failover_are_detected_and_healed() {
     let both = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(10), || {
             [&a, &b].iter().all(|rep| {
-                status(rep)["engine"]["redis"]["membership"]["live"]
+                rep.status()["engine"]["redis"]["membership"]["live"]
                     .as_array()
                     .is_some_and(|l| l.len() == 2)
-                    && status(rep)["engine"]["members_for_leases"] == 2
+                    && rep.status()["engine"]["members_for_leases"] == 2
             })
         })
     });
     assert!(both, "two live members");
-    let topology = &status(&a)["engine"]["redis"]["topology"];
+    let topology = &a.status()["engine"]["redis"]["topology"];
     assert_eq!(topology["mode"], "sentinel", "{topology}");
     let into = now_ms() % 60_000;
     if into > 20_000 {
@@ -114,8 +85,16 @@ async fn writes_lost_in_a_failover_are_detected_and_healed() {
     let first = a1 + b1;
     assert_eq!((first, e1 + f1), (30, 0));
     assert!(tokio::task::block_in_place(|| deployment.wait_replicated()));
-    // 20 more that only the primary ever sees.
-    link.set(Mode::Blackhole);
+    // 20 more that only the primary ever sees: the replica is paused and
+    // its link closed, so the primary has no replica to send them to.
+    deployment
+        .replica
+        .proc
+        .signal("STOP")
+        .expect("pause the replica");
+    deployment
+        .primary
+        .cli(&["CLIENT", "KILL", "TYPE", "replica"]);
     let (a2, e2) = send(&mut ca, 10).await;
     let (b2, f2) = send(&mut cb, 10).await;
     let unreplicated = a2 + b2;
@@ -123,7 +102,11 @@ async fn writes_lost_in_a_failover_are_detected_and_healed() {
     assert_eq!(deployment.primary.window_total(&key), Some(50));
     let old_primary = deployment.primary.port;
     tokio::task::block_in_place(|| deployment.primary.kill());
-    link.cut();
+    deployment
+        .replica
+        .proc
+        .signal("CONT")
+        .expect("resume the replica");
 
     // Load on both replicas through the failover and after it.
     let mut admitted = first + unreplicated;
@@ -147,14 +130,14 @@ async fn writes_lost_in_a_failover_are_detected_and_healed() {
     let settled = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(20), || {
             [&a, &b].iter().all(|rep| {
-                let s = status(rep);
+                let s = rep.status();
                 s["engine"]["ledger"]["keys_to_replay"] == 0 && s["engine"]["path"] == "redis"
             })
         })
     });
     // Found either way: a decision whose reply shows this replica's field
     // below what it knew, or the repair after the outage raising it.
-    let (sa, sb) = (status(&a), status(&b));
+    let (sa, sb) = (a.status(), b.status());
     let found = |s: &serde_json::Value| {
         s["engine"]["replay"]["data_loss_detected"]
             .as_u64()
@@ -196,7 +179,7 @@ fn passwords_in_a_sentinel_url_never_show() {
         "redis-sentinel://app:first-secret@127.0.0.1:{port}/0?sentinelServiceName=main&sentinelUsername=s&sentinelPassword=second-secret&node=127.0.0.1:{port}"
     );
     let server = Leasehold::start("s", &r, &[], &[("LEASEHOLD_REDIS_URL", url.as_str())], &dir);
-    let s = status(&server);
+    let s = server.status();
     let shown = s["engine"]["redis"]["redis"]
         .as_str()
         .unwrap_or_default()

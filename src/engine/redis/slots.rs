@@ -2,30 +2,40 @@
 //! may only touch one slot, so such a request is decided as one call per
 //! slot, all at once, and still ends up all-or-nothing:
 //!
-//! - each call is atomic and all-or-nothing within its slot, as always;
-//! - when any call denies, the calls that charged are taken back at once
-//!   by a refund of exactly what they charged, on the same connection (so
-//!   Redis runs it after the charge), and the request is denied with
-//!   nothing charged;
-//! - when a call fails, the others' charges are taken back the same way and
-//!   the failure is reported as it came (a call that may have run is
+//! - every call applies its charges without denying (as global shadow mode
+//!   would), each atomic within its slot, and reports which are over;
+//! - the request's outcome is then decided here by the one all-or-nothing
+//!   rule every engine uses ([`crate::limit::request_denied`]: any
+//!   enforcing charge over, or every quota charge over), over all slots
+//!   together, exactly as one call would have decided it;
+//! - when it is denied, everything the calls changed is taken back at once
+//!   (charges refunded, client refunds re-applied), each in the window it
+//!   landed in, on the same connection as the call that made it (so Redis
+//!   runs it after), and the request is denied with nothing charged;
+//! - when a call fails, what the others changed is taken back the same way
+//!   and the failure is reported as it came (a call that may have run is
 //!   repaired like any other, see the resilient engine's ledger); when a
-//!   refund itself fails, the request reports a call that may have run, so
-//!   its keys are repaired to what this replica knows it was granted.
+//!   take-back itself fails, the request reports a call that may have run,
+//!   so its keys are repaired to what this replica knows it was granted.
 //!
-//! What a concurrent request can observe: between a charge and its refund
-//! (one round trip), the charged counter reads higher by the hits of a
+//! What a concurrent request can observe: between a charge and its
+//! take-back (one round trip), the counter reads higher by the hits of a
 //! request that ends up denied, so a request on that counter in that
 //! moment may be denied although it would fit. Never the other way: no
-//! request is admitted because of a refund. `cross_slot_refunds` counts how
-//! often it happens. On one Redis (or Sentinel) none of this applies: one
-//! call decides any request.
+//! request is admitted because of a take-back. `cross_slot_refunds` counts
+//! the requests taken back. On one Redis (or Sentinel) none of this
+//! applies: one call decides any request.
+//!
+//! Each item keeps the time of the slot that decided it (`at_ms`), so the
+//! ledger files it under the window it landed in even when the masters'
+//! clocks differ.
 
 use std::collections::HashMap;
 
 use super::RedisEngine;
 use crate::domain::backend::{CallError, Presume, RawItem, RawReply};
 use crate::domain::{Batch, Charge};
+use crate::limit::{request_denied, Algorithm};
 use crate::redis::keys;
 
 /// The charges of a batch grouped by slot, in order of first appearance;
@@ -44,8 +54,8 @@ pub(super) fn slot_groups(batch: &Batch) -> Vec<Vec<usize>> {
     groups
 }
 
-/// One slot's part of a request: its charges, expected counts and
-/// presumptions, picked by index.
+/// One slot's part of a request: its charges (applied without denying),
+/// expected counts and presumptions, picked by index.
 struct Part {
     batch: Batch,
     expected: Vec<(i64, u64)>,
@@ -57,7 +67,7 @@ fn part(batch: &Batch, expected: &[(i64, u64)], presume: &Presume, indices: &[us
     Part {
         batch: Batch {
             charges: indices.iter().map(|&i| batch.charges[i].clone()).collect(),
-            never_deny: batch.never_deny,
+            never_deny: true,
         },
         expected: indices
             .iter()
@@ -74,24 +84,39 @@ fn part(batch: &Batch, expected: &[(i64, u64)], presume: &Presume, indices: &[us
     }
 }
 
-/// The refund that takes back what a part's reply says it charged.
-fn take_back(part: &Part, reply: &RawReply) -> Option<Batch> {
-    let charges: Vec<Charge> = part
-        .batch
-        .charges
-        .iter()
-        .zip(&reply.items)
-        .filter(|(_, item)| item.delta > 0)
-        .map(|(c, item)| Charge {
-            hits: item.delta as u64,
-            refund: true,
+/// The call that undoes what a part's reply says it changed: a refund of
+/// what was charged, a charge of what was refunded, each pinned to the
+/// window the part landed in (the `expected` pairs, count -1: no loss
+/// check). None when it changed nothing.
+fn take_back(part: &Part, reply: &RawReply) -> Option<(Batch, Vec<(i64, u64)>)> {
+    let mut charges = Vec::new();
+    let mut windows = Vec::new();
+    for (c, item) in part.batch.charges.iter().zip(&reply.items) {
+        if item.delta == 0 {
+            continue;
+        }
+        charges.push(Charge {
+            hits: item.delta.unsigned_abs(),
+            refund: item.delta > 0,
             ..c.clone()
-        })
-        .collect();
-    (!charges.is_empty()).then_some(Batch {
-        charges,
-        never_deny: true,
-    })
+        });
+        let unit = c.spec.unit.millis().max(1);
+        windows.push((-1, item.decided_at(reply.now_ms) / unit));
+    }
+    (!charges.is_empty()).then_some((
+        Batch {
+            charges,
+            never_deny: true,
+        },
+        windows,
+    ))
+}
+
+/// Whether an algorithm's take-back restores the count exactly (a window
+/// count does; a bucket's tokens and a log's members come back only
+/// approximately, see the engine docs).
+fn exact_take_back(a: Algorithm) -> bool {
+    matches!(a, Algorithm::FixedWindow | Algorithm::SlidingWindow)
 }
 
 impl RedisEngine {
@@ -112,16 +137,13 @@ impl RedisEngine {
         let replies = futures::future::join_all(
             parts
                 .iter()
-                .map(|p| self.decide_in_slot(&p.batch, index, &p.expected, &p.presume)),
+                .map(|p| self.decide_in_slot(&p.batch, index, &p.expected, &p.presume, false)),
         )
         .await;
         let failed = replies.iter().find_map(|r| r.as_ref().err().cloned());
-        let denied = replies
-            .iter()
-            .any(|r| r.as_ref().is_ok_and(|reply| reply.denied));
         let mut merged = RawReply {
-            now_ms: 0,
-            denied: denied || failed.is_some(),
+            now_ms: u64::MAX,
+            denied: false,
             lost: false,
             items: vec![
                 RawItem {
@@ -131,49 +153,71 @@ impl RedisEngine {
                     own: -1,
                     total: 0,
                     delta: 0,
+                    at_ms: 0,
                 };
                 batch.charges.len()
             ],
         };
-        let mut refunds = Vec::new();
         for (p, reply) in parts.iter().zip(&replies) {
             let Ok(reply) = reply else { continue };
-            merged.now_ms = merged.now_ms.max(reply.now_ms);
+            // The earliest: an over-limit cache entry from it ends no later
+            // than the window it was seen in.
+            merged.now_ms = merged.now_ms.min(reply.now_ms);
             merged.lost |= reply.lost;
             for (&i, item) in p.indices.iter().zip(&reply.items) {
-                merged.items[i] = *item;
-            }
-            if merged.denied && !reply.denied {
-                if let Some(back) = take_back(p, reply) {
-                    refunds.push((p, back));
-                }
+                merged.items[i] = RawItem {
+                    at_ms: reply.now_ms,
+                    ..*item
+                };
             }
         }
-        if !refunds.is_empty() {
-            self.stats_cross_slot_refund();
-            let none = &Presume::default();
-            let results = futures::future::join_all(refunds.iter().map(|(_, back)| {
-                let unknown = vec![(-1, 0); back.charges.len()];
-                async move { self.decide_in_slot(back, index, &unknown, none).await }
-            }))
-            .await;
-            if let Some(e) = results.into_iter().find_map(Result::err) {
-                // Charged, and maybe not taken back: repaired like a call
-                // that may have run.
-                return Err(match e {
-                    CallError::NotConnected(m) => {
-                        CallError::Redis(format!("taking back a cross-slot charge failed: {m}"))
-                    }
-                    other => other,
-                });
-            }
-            for (p, _) in &refunds {
-                for &i in &p.indices {
-                    let item = &mut merged.items[i];
-                    // What remained before this request, as for any denial.
-                    item.remaining = item.remaining.saturating_add(item.delta.max(0) as u64);
-                    item.delta = 0;
+        if merged.now_ms == u64::MAX {
+            merged.now_ms = 0;
+        }
+        merged.denied = failed.is_some()
+            || request_denied(
+                batch
+                    .charges
+                    .iter()
+                    .zip(&merged.items)
+                    .map(|(c, item)| (c.role, item.over)),
+                batch.never_deny,
+            );
+        if merged.denied {
+            let backs: Vec<(Batch, Vec<(i64, u64)>)> = parts
+                .iter()
+                .zip(&replies)
+                .filter_map(|(p, r)| r.as_ref().ok().and_then(|reply| take_back(p, reply)))
+                .collect();
+            if !backs.is_empty() {
+                self.stats_cross_slot_refund();
+                let none = &Presume::default();
+                let results = futures::future::join_all(
+                    backs
+                        .iter()
+                        .map(|(b, w)| self.decide_in_slot(b, index, w, none, true)),
+                )
+                .await;
+                if let Some(e) = results.into_iter().find_map(Result::err) {
+                    // Changed, and maybe not taken back: repaired like a call
+                    // that may have run.
+                    return Err(match e {
+                        CallError::NotConnected(m) => CallError::Redis(format!(
+                            "taking back a cross-slot request failed: {m}"
+                        )),
+                        other => other,
+                    });
                 }
+            }
+            for (c, item) in batch.charges.iter().zip(merged.items.iter_mut()) {
+                if !item.over && item.delta > 0 && exact_take_back(c.spec.algorithm) {
+                    // What remained before this request, as for any denial.
+                    item.remaining = item.remaining.saturating_add(item.delta as u64);
+                }
+                if item.over {
+                    item.remaining = 0;
+                }
+                item.delta = 0;
             }
         }
         match failed {
@@ -224,13 +268,17 @@ mod tests {
     }
 
     #[test]
-    fn only_what_was_charged_is_taken_back() {
+    fn a_take_back_undoes_exactly_what_changed_in_its_window() {
         let batch = Batch {
-            charges: vec![charge("a"), charge("b")],
+            charges: vec![charge("a"), charge("b"), charge("c")],
             never_deny: false,
         };
-        let p = part(&batch, &[(3, 7)], &Presume::default(), &[1, 0]);
-        assert_eq!(p.expected, vec![(-1, 0), (3, 7)]);
+        let p = part(&batch, &[(3, 7)], &Presume::default(), &[1, 0, 2]);
+        assert_eq!(p.expected, vec![(-1, 0), (3, 7), (-1, 0)]);
+        assert!(
+            p.batch.never_deny,
+            "parts apply; the request is decided here"
+        );
         let item = |delta| RawItem {
             over: false,
             remaining: 1,
@@ -238,19 +286,29 @@ mod tests {
             own: 0,
             total: 0,
             delta,
+            at_ms: 0,
         };
         let reply = RawReply {
-            now_ms: 1,
+            now_ms: 120_500,
             denied: false,
             lost: false,
-            items: vec![item(2), item(0)],
+            items: vec![item(2), item(0), item(-1)],
         };
-        let back = take_back(&p, &reply).expect("a refund");
-        assert_eq!(back.charges.len(), 1);
+        let (back, windows) = take_back(&p, &reply).expect("a take-back");
+        assert_eq!(back.charges.len(), 2);
         assert!(back.charges[0].refund && back.charges[0].hits == 2);
         assert_eq!(back.charges[0].key, batch.charges[1].key);
+        assert!(
+            !back.charges[1].refund && back.charges[1].hits == 1,
+            "a refund is re-applied"
+        );
+        assert_eq!(
+            windows,
+            vec![(-1, 2), (-1, 2)],
+            "the minute the part landed in"
+        );
         let nothing = RawReply {
-            items: vec![item(0), item(0)],
+            items: vec![item(0), item(0), item(0)],
             ..reply
         };
         assert!(take_back(&p, &nothing).is_none());

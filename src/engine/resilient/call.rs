@@ -278,9 +278,9 @@ impl ResilientEngine {
             self.stats.wrong_denials.fetch_add(1, Ordering::Relaxed);
         }
         for (c, item) in batch.charges.iter().zip(&reply.items) {
-            self.ledger
-                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
-            let window = window_of(&c.spec, reply.now_ms);
+            let at = item.decided_at(reply.now_ms);
+            self.ledger.record_redis(&c.key, &c.spec, at, now, item);
+            let window = window_of(&c.spec, at);
             self.ledger
                 .record_local(&c.key, &c.spec, window, now, -item.delta);
         }
@@ -334,8 +334,8 @@ impl ResilientEngine {
         self.offset_ms
             .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
         for (c, item) in batch.charges.iter().zip(&reply.items) {
-            self.ledger
-                .record_redis(&c.key, &c.spec, reply.now_ms, now, item);
+            let at = item.decided_at(reply.now_ms);
+            self.ledger.record_redis(&c.key, &c.spec, at, now, item);
         }
         if reply.lost {
             self.stats

@@ -12,6 +12,7 @@ fn item(delta: i64, remaining: u64, own: i64, total: i64) -> RawItem {
         own,
         total,
         delta,
+        at_ms: 0,
     }
 }
 

@@ -103,6 +103,7 @@ impl Fake {
                     own: *own,
                     total: total + delta,
                     delta,
+                    at_ms: 0,
                 }
             })
             .collect();
