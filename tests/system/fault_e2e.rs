@@ -666,6 +666,70 @@ async fn a_request_swallowed_on_a_live_connection_never_shifts_the_replies() {
     check_values(&c, &samples, None);
 }
 
+/// A call that ran in Redis while its reply was lost, in a window where
+/// its replica has no count of its own at all: the request was denied
+/// unanswered (no lease grant either) and no other call of that replica
+/// was confirmed there. The repair must still fence that window, or Redis
+/// keeps a charge nobody was granted. DEFAULT settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_in_a_window_the_replica_never_counted_in_is_repaired() {
+    let dir = test_dir("lost-untallied");
+    let c = cluster_with(&dir, true, true).await;
+    let mut client = c.clients[0].clone();
+    // A first decision on another key, so Redis has the script (a NOSCRIPT
+    // answer lost would keep the call from running at all).
+    client
+        .should_rate_limit(single("f", &[("fw", "warm")]))
+        .await
+        .expect("warm-up");
+    c.proxies[0].set(Mode::DropReplies);
+    let reply = client
+        .should_rate_limit(single("f", &[("fw", "fresh")]))
+        .await
+        .expect("answered")
+        .into_inner();
+    let pattern = "lh:v2{f|fw=fresh#1:fw}@";
+    let counters = || -> Vec<String> {
+        c.redis
+            .keys()
+            .into_iter()
+            .filter(|k| k.starts_with(pattern))
+            .collect()
+    };
+    let ran = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || !counters().is_empty())
+    });
+    assert!(ran, "the call ran in Redis: {:?} {reply:?}", c.redis.keys());
+    c.proxies[0].set(Mode::Pass);
+    // The call gave up on ends (with an error: its reply is gone) before
+    // the replica can repair; only then is "settled" meaningful.
+    let addr = c.replicas[0].admin;
+    let ended = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(20), || {
+            status(addr).is_some_and(|v| v["engine"]["replay"]["late_replies"].as_u64() >= Some(1))
+        })
+    });
+    assert!(ended, "the call never ended: {:?}", status(addr));
+    tokio::task::block_in_place(|| wait_settled(&c));
+    let grants = u64::from(reply.overall_code == Code::Ok as i32);
+    assert_eq!(
+        grants, 0,
+        "denied unanswered, as the defaults decide: {reply:?}"
+    );
+    let report: Vec<String> = counters()
+        .iter()
+        .map(|k| format!("{k}: {}", c.redis.cli(&["HGETALL", k]).replace('\n', " ")))
+        .collect();
+    let total: i64 = counters()
+        .iter()
+        .map(|k| c.redis.window_total(k).unwrap_or(0))
+        .sum();
+    assert_eq!(
+        total, 0,
+        "Redis holds a charge nobody was granted: {report:?}"
+    );
+}
+
 /// Five keys on four connections per replica: at least two share one.
 /// Offered at different rates (1.2 to 4 L), they reach the limit at
 /// different times of a window, so a grant's reply paired with another

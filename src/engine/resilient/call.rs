@@ -59,6 +59,8 @@ struct Late {
     /// The breaker already heard of this call as a failure.
     failure_counted: bool,
     started: Instant,
+    /// Local time the call was sent.
+    sent_ms: u64,
 }
 
 /// Late calls that have completed, for the recovery loop to fold in.
@@ -166,7 +168,7 @@ impl ResilientEngine {
                         .unanswered_denials
                         .fetch_add(1, Ordering::Relaxed);
                 }
-                self.defer(call, batch.clone(), alive, failure_counted, started);
+                self.defer(call, batch.clone(), alive, failure_counted, started, now);
                 return if alive {
                     Decided::Unanswered
                 } else {
@@ -233,6 +235,7 @@ impl ResilientEngine {
         denied_unanswered: bool,
         failure_counted: bool,
         started: Instant,
+        sent_ms: u64,
     ) {
         let queue = self.late.clone();
         queue.pending.fetch_add(1, Ordering::Relaxed);
@@ -246,6 +249,7 @@ impl ResilientEngine {
                 denied_unanswered,
                 failure_counted,
                 started,
+                sent_ms,
             });
             queue.pending.fetch_sub(1, Ordering::Relaxed);
             queue.notify.notify_one();
@@ -261,7 +265,7 @@ impl ResilientEngine {
             let now = self.clock.now_ms();
             match late.result {
                 Ok(reply) => self.fold_late(&late.batch, &reply, late.denied_unanswered, now),
-                Err(e) => self.on_call_failed(&late.batch, &e, !late.failure_counted),
+                Err(e) => self.on_call_failed(&late.batch, &e, !late.failure_counted, late.sent_ms),
             }
             for c in &late.batch.charges {
                 self.ledger.note_answered(&c.key, c.refund);
@@ -303,7 +307,7 @@ impl ResilientEngine {
             }
             Err(e) => {
                 tracing::debug!(error = %e, "Redis call failed; deciding locally");
-                self.on_call_failed(batch, &e, true);
+                self.on_call_failed(batch, &e, true, now);
                 None
             }
         }
@@ -312,12 +316,15 @@ impl ResilientEngine {
     /// A call that ended without a reply: its keys become suspect if it may
     /// have run, and (unless already told at its budget) the breaker hears
     /// of a failure.
-    fn on_call_failed(&self, batch: &Batch, e: &CallError, count_failure: bool) {
+    fn on_call_failed(&self, batch: &Batch, e: &CallError, count_failure: bool, sent_ms: u64) {
         let now = self.clock.now_ms();
         self.mark_trouble(now);
         if e.maybe_applied() {
+            // Early by a deadline: the offset to Redis's clock is an
+            // estimate, off by up to half a round trip.
+            let sent = self.redis_now(sent_ms).saturating_sub(self.cfg.deadline_ms);
             for c in &batch.charges {
-                self.ledger.mark_suspect(&c.key, &c.spec, now);
+                self.ledger.mark_suspect(&c.key, &c.spec, now, sent);
             }
         }
         if count_failure {

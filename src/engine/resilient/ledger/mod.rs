@@ -11,6 +11,8 @@
 //!   may still apply is *suspect*: it is decided locally until a repair sets
 //!   its `<idx>` field to that sum behind a fresh fence, which waits until no
 //!   Redis call for it can still be in flight (a deadline after the last).
+//!   The repair covers every live window such a call can have landed in,
+//!   from its sending on, those where this replica has no count (0) too.
 //! - **Lease inputs.** The last remaining count Redis reported for the
 //!   current window and this replica's share of the key's traffic.
 //!
@@ -83,6 +85,11 @@ struct Entry {
     reply_window: u64,
     /// A Redis call may have applied without this replica knowing.
     suspect: bool,
+    /// Redis time (estimated, a little early) at which the first call that
+    /// made the key suspect was sent: such a call can have landed in any
+    /// window from this one on, including one where no call of this
+    /// replica was ever confirmed, so the repair fences them all.
+    unsure_from_ms: Option<u64>,
     /// Bumped whenever the key becomes suspect; a repair clears the flag
     /// only if nothing changed while it ran.
     version: u64,
@@ -121,6 +128,7 @@ impl Entry {
             demand: None,
             reply_window: 0,
             suspect: false,
+            unsure_from_ms: None,
             version: 0,
             last_issue_ms: 0,
             touched_ms: now_ms,
@@ -347,15 +355,26 @@ impl Ledger {
         });
     }
 
-    /// A Redis call for `key` failed in a way that may still apply: decide it
-    /// locally until a repair rewrites its field.
-    pub fn mark_suspect(&self, key: &CounterKey, spec: &LimitSpec, now_ms: u64) {
+    /// A Redis call for `key`, sent at Redis time `sent_redis_ms` or later,
+    /// failed in a way that may still apply: decide it locally until a
+    /// repair rewrites its field in every window the call can have landed in.
+    pub fn mark_suspect(
+        &self,
+        key: &CounterKey,
+        spec: &LimitSpec,
+        now_ms: u64,
+        sent_redis_ms: u64,
+    ) {
         if !replayable(spec) {
             return;
         }
         self.with_entry(key, spec, now_ms, |e| {
             e.suspect = true;
             e.version += 1;
+            e.unsure_from_ms = Some(
+                e.unsure_from_ms
+                    .map_or(sent_redis_ms, |u| u.min(sent_redis_ms)),
+            );
         });
     }
 

@@ -1,7 +1,7 @@
 //! The replay plan: local usage Redis has not confirmed, holds to write,
 //! and fenced repairs of quiet suspect keys; and marking a plan done.
 
-use super::{window_live, Ledger, Planned};
+use super::{window_live, window_of, Ledger, Planned};
 use crate::domain::backend::{ReplayEntry, ReplayKind};
 
 impl Ledger {
@@ -62,6 +62,34 @@ impl Ledger {
                         });
                     }
                 }
+                if let (true, Some(unsure)) = (repairs, e.unsure_from_ms) {
+                    // A call that made the key suspect can have landed in a
+                    // window where no call of this replica was confirmed (so
+                    // the ledger has no tally there): its field is 0 of
+                    // confirmed deltas, fenced like the others. Such a call
+                    // was sent at `unsure_from_ms` or later and can run until
+                    // `quiet_ms` after the key's last call (twice that from
+                    // `unsure_from_ms`, which is early by a deadline, should
+                    // the entry have been evicted and made anew meanwhile).
+                    let offset = redis_now_ms as i64 - now_ms as i64;
+                    let last = ((e.last_issue_ms as i64 + offset).max(0) as u64)
+                        .saturating_add(quiet_ms)
+                        .max(unsure.saturating_add(2 * quiet_ms));
+                    let to = window_of(&e.spec, last.min(redis_now_ms));
+                    let from = window_of(&e.spec, unsure).min(to);
+                    for window in from..=to {
+                        let untallied = !e.windows.iter().any(|w| w.window == window);
+                        if untallied && window_live(&e.spec, window, redis_now_ms, margin_ms) {
+                            entries.push(ReplayEntry {
+                                key: key.clone(),
+                                spec: e.spec,
+                                window,
+                                kind: ReplayKind::Repair,
+                                value: 0,
+                            });
+                        }
+                    }
+                }
                 if entries.is_empty() && !repairs {
                     continue;
                 }
@@ -93,6 +121,7 @@ impl Ledger {
                 }
                 if p.repairs && e.version == p.version {
                     e.suspect = false;
+                    e.unsure_from_ms = None;
                 }
             }
         }

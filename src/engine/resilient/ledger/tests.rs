@@ -62,7 +62,7 @@ fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
     l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
     l.note_answered(&k, false);
     l.note_issue(&k, &s, 2_000, false);
-    l.mark_suspect(&k, &s, 2_005);
+    l.mark_suspect(&k, &s, 2_005, 7_000);
     assert!(l.is_suspect(&k));
     // The failed call still counts as in flight until it is answered (a
     // late reply is folded in); no repair before that, however long.
@@ -81,12 +81,70 @@ fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
         (ReplayKind::Repair, 4)
     );
     // Suspect again while the repair ran: stays suspect.
-    l.mark_suspect(&k, &s, 2_120);
+    l.mark_suspect(&k, &s, 2_120, 7_120);
     l.mark_replayed(&plan);
     assert!(l.is_suspect(&k));
     let (plan, _) = l.replay_plan(2_300, 7_300, 100, 1_000);
     l.mark_replayed(&plan);
     assert!(!l.is_suspect(&k));
+}
+
+#[test]
+fn a_repair_fences_every_window_a_suspect_call_can_have_landed_in() {
+    let l = Ledger::new(10);
+    let (k, s) = key("late");
+    // Confirmed in window 7 only; then a call sent at Redis time 7_990
+    // fails unanswered: it can have run in window 7 or, late, in window 8,
+    // where this replica has no confirmed call at all.
+    l.note_issue(&k, &s, 1_000, false);
+    l.record_redis(&k, &s, 7_500, 1_000, &item(4, 96, 4, 4));
+    l.note_answered(&k, false);
+    l.note_issue(&k, &s, 1_990, false);
+    l.mark_suspect(&k, &s, 2_000, 7_990);
+    l.note_answered(&k, false);
+    let (plan, waiting) = l.replay_plan(2_200, 8_200, 100, 1_000);
+    assert_eq!(waiting, 0);
+    let repairs: Vec<(u64, i64)> = plan[0]
+        .entries
+        .iter()
+        .filter(|e| e.kind == ReplayKind::Repair)
+        .map(|e| (e.window, e.value))
+        .collect();
+    assert_eq!(repairs, vec![(7, 4), (8, 0)]);
+    l.mark_replayed(&plan);
+    assert!(!l.is_suspect(&k));
+    // Suspect again later, by a call sent in window 8: it can have landed
+    // there or in 9; window 7 is past its life.
+    l.note_issue(&k, &s, 2_900, false);
+    l.mark_suspect(&k, &s, 2_905, 8_900);
+    l.note_answered(&k, false);
+    let (plan, _) = l.replay_plan(3_100, 9_100, 100, 1_000);
+    let windows: Vec<u64> = plan[0].entries.iter().map(|e| e.window).collect();
+    assert_eq!(windows, vec![8, 9]);
+}
+
+#[test]
+fn a_key_with_a_call_in_flight_or_unsure_is_not_swept_before_its_repair() {
+    let l = Ledger::new(10);
+    let (k, s) = key("untallied");
+    // No count of its own anywhere: the call's request was denied unanswered.
+    l.note_issue(&k, &s, 1_000, false);
+    l.sweep(6_000, 1_000);
+    assert!(!l.is_empty(), "a call is in flight");
+    l.mark_suspect(&k, &s, 1_500, 5_990);
+    l.note_answered(&k, false);
+    l.sweep(6_500, 1_000);
+    assert!(l.is_suspect(&k), "kept for its repair");
+    let (plan, _) = l.replay_plan(1_600, 6_600, 100, 1_000);
+    let windows: Vec<(u64, i64)> = plan[0]
+        .entries
+        .iter()
+        .map(|e| (e.window, e.value))
+        .collect();
+    assert_eq!(windows, vec![(5, 0), (6, 0)]);
+    l.mark_replayed(&plan);
+    l.sweep(8_500, 1_000);
+    assert!(l.is_empty(), "repaired, then swept");
 }
 
 #[test]
@@ -195,7 +253,7 @@ fn own_local_grants_not_replayed_yet_count_on_the_redis_path() {
     let plan = l.replay_plan(1_100, 5_100, 15, 10_000).0;
     l.mark_replayed(&plan);
     assert_eq!(l.expected_and_pending(&k, 5), (0, 0, true), "replayed");
-    l.mark_suspect(&k, &s, 1_200);
+    l.mark_suspect(&k, &s, 1_200, 5_200);
     assert!(
         !l.expected_and_pending(&k, 5).2,
         "a suspect key proves nothing"

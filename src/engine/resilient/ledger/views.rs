@@ -65,12 +65,18 @@ impl Ledger {
             map.retain(|k, e| {
                 e.windows
                     .retain(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms));
-                if e.windows.is_empty() {
+                // A call still in flight, or one that made the key suspect,
+                // can have landed in a window the ledger never tallied: the
+                // entry stays for its repair (which clears `unsure_from_ms`).
+                let keep = !e.windows.is_empty()
+                    || e.calls_in_flight > 0
+                    || (e.suspect && e.unsure_from_ms.is_some());
+                if !keep {
                     // Nothing live is left to repair.
                     e.suspect = false;
                     freed += super::entry_cost(k);
                 }
-                !e.windows.is_empty()
+                keep
             });
             self.len.fetch_sub(before - map.len(), Ordering::Relaxed);
             self.bytes.fetch_sub(freed, Ordering::Relaxed);
