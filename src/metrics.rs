@@ -60,6 +60,7 @@ pub struct Metrics {
     redis_node_failures: IntCounterVec,
     cross_slot: IntCounterVec,
     repairs_raised: IntCounter,
+    clients_restarted: IntCounter,
 }
 
 fn counter_vec(
@@ -201,6 +202,7 @@ impl Metrics {
             redis_node_failures: counter_vec(&r, "leasehold_redis_node_failures_total", "Redis calls that failed, by the node they were bound for.", &["node"])?,
             cross_slot: counter_vec(&r, "leasehold_cross_slot_requests_total", "Requests whose counters were in several Redis Cluster slots (decided per slot), and those whose charges were taken back because one slot denied (result taken_back).", &["result"])?,
             repairs_raised: counter(&r, "leasehold_redis_repairs_raised_total", "Repairs that found this replica's count in Redis below what it had confirmed (writes Redis lost, e.g. in a failover), and restored it.")?,
+            clients_restarted: counter(&r, "leasehold_redis_clients_restarted_total", "Redis pool clients that stopped (a Cluster redirection they could not follow) and were started again.")?,
             registry: r,
         })
     }
@@ -307,6 +309,9 @@ impl Metrics {
         }
         if let Some(n) = redis["repairs_raised"].as_u64() {
             mirror(&self.repairs_raised, n);
+        }
+        if let Some(n) = topology["clients_restarted"].as_u64() {
+            mirror(&self.clients_restarted, n);
         }
         for (result, field) in [
             ("decided", "cross_slot_requests"),

@@ -86,6 +86,48 @@ pub struct Redis {
     pub display_url: String,
     /// Failed calls per node ([`topology`]).
     node_failures: parking_lot::Mutex<std::collections::HashMap<String, u64>>,
+    /// Restarts pool clients that stopped ([`supervise`]); stopped by
+    /// [`Redis::quit`] and on drop.
+    supervisor: tokio::task::JoinHandle<()>,
+    /// Pool clients restarted so far.
+    restarts: Arc<AtomicU64>,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.supervisor.abort();
+    }
+}
+
+/// How often [`supervise`] looks at the pool's clients.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
+
+/// Starts again any pool client whose connection task has ended. fred ends
+/// it for good when an ASK redirection (a Cluster slot being moved) finds
+/// the call with no attempt left, and every call here has one attempt, so
+/// that nothing is ever sent twice: without a restart, every later call on
+/// that client would wait unanswered until its deadline.
+fn supervise(
+    clients: Vec<Client>,
+    mut handles: Vec<fred::types::ConnectHandle>,
+    restarts: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SUPERVISE_EVERY);
+        loop {
+            tick.tick().await;
+            for (client, handle) in clients.iter().zip(handles.iter_mut()) {
+                if handle.is_finished() {
+                    tracing::warn!(
+                        client = client.id(),
+                        "a Redis client stopped (a redirection it could not follow); starting it again"
+                    );
+                    restarts.fetch_add(1, Ordering::Relaxed);
+                    *handle = client.connect();
+                }
+            }
+        }
+    })
 }
 
 /// The URL schemes `redis_url` accepts (fred's): one Redis, a Cluster (any
@@ -220,7 +262,12 @@ impl Redis {
         let pool = builder
             .build_pool(cfg.pool_size.max(1))
             .map_err(|e| format!("cannot build Redis pool: {e}"))?;
-        let _connections = pool.connect_pool();
+        let restarts = Arc::new(AtomicU64::new(0));
+        let supervisor = supervise(
+            pool.clients().to_vec(),
+            pool.connect_pool(),
+            restarts.clone(),
+        );
         Ok(Redis {
             pool,
             config,
@@ -237,6 +284,8 @@ impl Redis {
             batched: AtomicU64::new(0),
             display_url: redact_url(&cfg.url),
             node_failures: Default::default(),
+            supervisor,
+            restarts,
         })
     }
 
@@ -568,6 +617,7 @@ impl Redis {
     /// Closes the connections; bounded, because QUIT waits for a reply a
     /// dead or hung Redis never sends.
     pub async fn quit(&self) {
+        self.supervisor.abort();
         let _ = tokio::time::timeout(Duration::from_secs(1), self.pool.quit()).await;
     }
 }

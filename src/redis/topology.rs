@@ -17,6 +17,9 @@ pub struct Topology {
     /// "standalone", "cluster" or "sentinel".
     pub mode: &'static str,
     pub nodes: Vec<NodeView>,
+    /// Pool clients that stopped and were started again (see
+    /// `supervise` in the Redis module).
+    pub clients_restarted: u64,
 }
 
 /// One node.
@@ -77,9 +80,10 @@ impl Redis {
             role,
             slots,
         };
-        match &self.config.server {
+        let mut topology = match &self.config.server {
             ServerConfig::Centralized { server } => Topology {
                 mode: "standalone",
+                clients_restarted: 0,
                 nodes: vec![view(name(server), "primary", 0)],
             },
             ServerConfig::Clustered { hosts, .. } => {
@@ -96,6 +100,7 @@ impl Redis {
                 }
                 Topology {
                     mode: "cluster",
+                    clients_restarted: 0,
                     nodes: slots
                         .into_iter()
                         .map(|(node, n)| view(node, "primary", n))
@@ -116,14 +121,18 @@ impl Redis {
                 }));
                 Topology {
                     mode: "sentinel",
+                    clients_restarted: 0,
                     nodes,
                 }
             }
             #[allow(unreachable_patterns)]
             _ => Topology {
                 mode: "other",
+                clients_restarted: 0,
                 nodes: Vec::new(),
             },
-        }
+        };
+        topology.clients_restarted = self.restarts.load(std::sync::atomic::Ordering::Relaxed);
+        topology
     }
 }
