@@ -269,6 +269,97 @@ async fn four_replicas_on_a_cluster_admit_every_user_its_limit() {
     eprintln!("{}", report.join("\n"));
 }
 
+/// The node id of the master serving `slot`, from CLUSTER NODES.
+fn owner_of(cluster: &RedisCluster, slot: u16) -> Option<String> {
+    let nodes = cluster.cli(&["CLUSTER", "NODES"]);
+    nodes.lines().find_map(|line| {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let serves = parts.iter().skip(8).any(|range| {
+            let mut ends = range.split('-').map(|n| n.parse::<u16>());
+            match (ends.next(), ends.next()) {
+                (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&slot),
+                (Some(Ok(a)), None) => a == slot,
+                _ => false,
+            }
+        });
+        (serves && parts[2].contains("master")).then(|| parts[0].to_owned())
+    })
+}
+
+/// A slot marked as moving while its counter is not on the old owner yet,
+/// so a call for it is answered ASK. fred stops the client that gets the
+/// redirection (it has no attempt left to follow it, on purpose: nothing is
+/// ever sent twice); it is started again at once, so calls for every other
+/// counter go on being decided on Redis, each answered (with a 250 ms
+/// budget, so that every one is decided there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_stopped_by_a_redirection_is_started_again() {
+    let dir = test_dir("cluster-ask");
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start(&dir, 3, 0, 2_000));
+    let url = cluster.url();
+    let r = rules(
+        &dir,
+        "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100000}\n",
+    );
+    let env = [
+        ("LEASEHOLD_REDIS_URL", url.as_str()),
+        ("LEASEHOLD_REDIS_DEADLINE_MS", "250"),
+        ("LEASEHOLD_REDIS_BUDGET_MAX_MS", "250"),
+    ];
+    let replicas = tokio::task::block_in_place(|| start_replicas("k", 1, &r, &env, &dir));
+    let cs = clients(&replicas).await;
+    let users = |i: usize| {
+        let user = format!("u{}", i % 64);
+        let req = single("edge", &[("user", &user)]);
+        (user, req)
+    };
+    let warm = hammer(&cs, users, Until::Calls(256)).await;
+    assert!(warm.errors.is_empty(), "{:?}", warm.errors);
+    let slot: u16 = cluster
+        .cli(&["CLUSTER", "KEYSLOT", "lh:v2{edge|user=moving#60:fw}@0"])
+        .trim()
+        .parse()
+        .expect("slot");
+    let from = owner_of(&cluster, slot).expect("owner");
+    let ids: Vec<(u16, String)> = cluster
+        .masters()
+        .iter()
+        .map(|m| (m.port, m.cli(&["CLUSTER", "MYID"]).trim().to_owned()))
+        .collect();
+    let (from_port, _) = ids.iter().find(|(_, id)| *id == from).expect("from");
+    let (to_port, to) = ids.iter().find(|(_, id)| *id != from).expect("to");
+    let node = |port: u16| cluster.nodes.iter().find(|n| n.port == port).expect("node");
+    let slot_s = slot.to_string();
+    node(*to_port).cli(&["CLUSTER", "SETSLOT", &slot_s, "IMPORTING", &from]);
+    node(*from_port).cli(&["CLUSTER", "SETSLOT", &slot_s, "MIGRATING", to]);
+    let mut client = cs[0].clone();
+    let _ = client
+        .should_rate_limit(single("edge", &[("user", "moving")]))
+        .await
+        .expect("answered");
+    let restarted = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || {
+            replicas[0].status()["engine"]["redis"]["topology"]["clients_restarted"]
+                .as_u64()
+                .is_some_and(|n| n >= 1)
+        })
+    });
+    for port in [*from_port, *to_port] {
+        node(port).cli(&["CLUSTER", "SETSLOT", &slot_s, "STABLE"]);
+    }
+    assert!(restarted, "{}", replicas[0].status()["engine"]["redis"]);
+    tokio::task::block_in_place(|| wait_until(Duration::from_secs(20), || settled(&replicas)));
+    let before = replicas[0].status()["engine"]["decisions"].clone();
+    let after_ask = hammer(&cs, users, Until::Calls(256)).await;
+    let after = replicas[0].status()["engine"]["decisions"].clone();
+    let delta = |k: &str| after[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
+    let report = format!("before {before}, after {after}");
+    assert!(after_ask.errors.is_empty(), "{:?}", after_ask.errors);
+    assert_eq!(delta("redis"), 256, "every decision on Redis: {report}");
+    assert_eq!(delta("redis_failures"), 0, "{report}");
+    tokio::task::block_in_place(|| stop_all(replicas));
+}
+
 /// Two descriptors in different slots (on different masters), the second
 /// at its limit: a request denied by the second charges the first nothing,
 /// alone and with 64 such requests in flight.
