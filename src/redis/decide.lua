@@ -67,8 +67,11 @@
 -- towards its presumption, not on top.
 -- One request's decision; KEYS and ARGV are that request's (the script's
 -- own in a single call, its slices in a batch).
--- `now`: Redis's time in ms, read once per script call.
-local function decide(KEYS, ARGV, now)
+-- `now`: Redis's time in ms, read once per script call. `shared`: the
+-- state of the call's keys as its requests so far left it (each key read
+-- once per call), and the window increments they made, written once per
+-- key at the end of the call (`flush`).
+local function decide(KEYS, ARGV, now, shared)
   local me = ARGV[1]
   local epoch = tonumber(ARGV[2])
   local fence_field = 'f' .. me
@@ -179,16 +182,44 @@ local function decide(KEYS, ARGV, now)
     return extra
   end
 
-  -- Per-key state cache, so a key charged twice in one request sees its
-  -- first charge.
-  local windows = {}
+  -- Per-key state, shared by the requests of one call: a key charged
+  -- again (in this request or a later one of the batch) sees the charges
+  -- before. A request notes what it changes on first touch, to undo it if
+  -- it is denied or stale.
+  local windows = shared.windows[me]
+  if not windows then
+    windows = {}
+    shared.windows[me] = windows
+  end
+  local touched = {}
+  local function touch(st)
+    if not touched[st] then
+      touched[st] = {total = st.total, own = st.own, count = st.count, tokens = st.tokens,
+                     updated = st.updated, x = st.x, mine = st.mine, proofs = st.proofs,
+                     proof = st.proofs and st.proofs[me]}
+    end
+    return st
+  end
+  -- Undoes this request's changes: its counts when it is denied (its
+  -- announcements and proofs are written all the same), everything when
+  -- it is stale (nothing is written).
+  local function undo(all)
+    for st, b in pairs(touched) do
+      st.total, st.own, st.count = b.total, b.own, b.count
+      st.tokens, st.updated = b.tokens, b.updated
+      if all then
+        st.x, st.mine, st.proofs = b.x, b.mine, b.proofs
+        if b.proofs then b.proofs[me] = b.proof end
+      end
+    end
+  end
   local function window(key)
     local w = windows[key]
     if not w then
       w = read_window(key)
       windows[key] = w
     end
-    return w
+    return touch(w)
   end
 
   local stale = false
@@ -285,6 +316,7 @@ local function decide(KEYS, ARGV, now)
         st = {count = redis.call('ZCARD', base), added = 0}
         windows[base] = st
       end
+      touch(st)
       local count = st.count
       local after
       -- One member per hit: a charge of more than 10000 hits (the
@@ -327,6 +359,7 @@ local function decide(KEYS, ARGV, now)
         st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now}
         windows[base] = st
       end
+      touch(st)
       local elapsed = math.max(0, now - st.updated)
       local rate = limit / unit
       local tokens_now = math.min(burst, st.tokens + elapsed * rate)
@@ -372,6 +405,7 @@ local function decide(KEYS, ARGV, now)
   end
 
   if stale then
+    undo(true)
     return {-1, now, 0, 0}
   end
 
@@ -399,13 +433,19 @@ local function decide(KEYS, ARGV, now)
     end
   end
   local denied = (not never_deny) and (enforce_over or (quota_seen and quota_all_over))
+  if denied then undo(false) end
 
   if not denied then
     for _, wr in ipairs(writes) do
       local kind = wr[1]
       if kind == 'hincr' then
-        redis.call('HINCRBY', wr[2], me, wr[3])
-        if not wr[5] then redis.call('PEXPIREAT', wr[2], wr[4]) end
+        local p = shared.incr[wr[2]]
+        if not p then
+          p = {me = me, delta = 0, expire_at = wr[4], exists = wr[5]}
+          shared.incr[wr[2]] = p
+          shared.order[#shared.order + 1] = wr[2]
+        end
+        p.delta = p.delta + wr[3]
       elseif kind == 'zadd' then
         -- In chunks: unpack() has a small stack limit.
         local args = {}
@@ -456,11 +496,25 @@ end
 -- arguments and those arguments; KEYS are the requests' keys in order.
 -- A batch's reply is, per request, the length of its reply and the reply.
 -- Either way the call's token (the last ARGV) ends the reply.
+-- The window increments of a call's admitted requests, one HINCRBY per
+-- key: the state the later requests saw already counted them.
+local function flush(shared)
+  for _, key in ipairs(shared.order) do
+    local p = shared.incr[key]
+    if p.delta ~= 0 then
+      redis.call('HINCRBY', key, p.me, p.delta)
+      if not p.exists then redis.call('PEXPIREAT', key, p.expire_at) end
+    end
+  end
+end
+
 local token = tonumber(ARGV[#ARGV])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local shared = {windows = {}, incr = {}, order = {}}
 if ARGV[1] ~= 'B' then
-  local r = decide(KEYS, ARGV, now)
+  local r = decide(KEYS, ARGV, now, shared)
+  flush(shared)
   r[#r + 1] = token
   return r
 end
@@ -473,9 +527,10 @@ for _ = 1, tonumber(ARGV[2]) do
   for j = 1, na do args[j] = ARGV[a + 1 + j] end
   k = k + nk
   a = a + 2 + na
-  local r = decide(keys, args, now)
+  local r = decide(keys, args, now, shared)
   out[#out + 1] = #r
   for _, v in ipairs(r) do out[#out + 1] = v end
 end
+flush(shared)
 out[#out + 1] = token
 return out
