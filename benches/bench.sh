@@ -60,9 +60,16 @@ start_redis() {
 start_leasehold() {
   local name=$1; shift
   local g h a; g=$(free_port); h=$(free_port); a=$(free_port)
+  # The kernel may hand out a port just freed again: three distinct ones.
+  while [ "$h" = "$g" ]; do h=$(free_port); done
+  while [ "$a" = "$g" ] || [ "$a" = "$h" ]; do a=$(free_port); done
   "$BIN" serve --rules "$WORK/rules.yaml" --grpc-addr "127.0.0.1:$g" --http-addr "127.0.0.1:$h" --admin-addr "127.0.0.1:$a" --log-level warn "$@" >"$WORK/$name.log" 2>&1 &
   local pid=$!; PIDS+=("$pid")
-  until curl -sf "127.0.0.1:$h/readyz" >/dev/null 2>&1; do sleep 0.05; done
+  until curl -sf "127.0.0.1:$h/readyz" >/dev/null 2>&1; do
+    # A server that exited will never be ready: say why instead of waiting.
+    if ! kill -0 "$pid" 2>/dev/null; then echo "leasehold $name exited: $(cat "$WORK/$name.log")" >&2; exit 1; fi
+    sleep 0.05
+  done
   eval "GRPC_$name=$g HTTP_$name=$h ADMIN_$name=$a PID_$name=$pid"
 }
 
