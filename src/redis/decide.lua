@@ -154,6 +154,7 @@ local function decide(KEYS, ARGV, now, shared)
       cur.x = announce
       cur.mine = episode
       cur.proofs = {}
+      cur.troubled = true
       meta[#meta + 1] = {key, 'x', announce, announced_field, episode, expire_at}
     elseif prove and cur.x and cur.proofs[me] ~= cur.x then
       cur.proofs[me] = cur.x
@@ -196,7 +197,7 @@ local function decide(KEYS, ARGV, now, shared)
     if not touched[st] then
       touched[st] = {total = st.total, own = st.own, count = st.count, tokens = st.tokens,
                      updated = st.updated, x = st.x, mine = st.mine, proofs = st.proofs,
-                     proof = st.proofs and st.proofs[me]}
+                     proof = st.proofs and st.proofs[me], troubled = st.troubled}
     end
     return st
   end
@@ -208,7 +209,7 @@ local function decide(KEYS, ARGV, now, shared)
       st.total, st.own, st.count = b.total, b.own, b.count
       st.tokens, st.updated = b.tokens, b.updated
       if all then
-        st.x, st.mine, st.proofs = b.x, b.mine, b.proofs
+        st.x, st.mine, st.proofs, st.troubled = b.x, b.mine, b.proofs, b.troubled
         if b.proofs then b.proofs[me] = b.proof end
       end
     end
@@ -339,7 +340,9 @@ local function decide(KEYS, ARGV, now, shared)
         end
         r.delta = m
       end
-      st.count = after
+      -- What the log holds now (a charge past the limit adds fewer
+      -- members than hits), for the requests after this one.
+      st.count = count + r.delta
       r.rem_now = math.max(0, limit - count)
       r.rem_after = (r.over == 1) and 0 or math.max(0, limit - after)
       local oldest = redis.call('ZRANGE', base, 0, 0, 'WITHSCORES')
@@ -355,11 +358,13 @@ local function decide(KEYS, ARGV, now, shared)
       local st = windows[base]
       if not st then
         local v = redis.call('HMGET', base, 't', 'u', fence_field)
-        if (tonumber(v[3]) or 0) > epoch then stale = true end
-        st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now}
+        st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now,
+              fence = tonumber(v[3]) or 0}
         windows[base] = st
       end
       touch(st)
+      -- Every request of the call checks the fence, not only the first.
+      if st.fence > epoch then stale = true end
       local elapsed = math.max(0, now - st.updated)
       local rate = limit / unit
       local tokens_now = math.min(burst, st.tokens + elapsed * rate)

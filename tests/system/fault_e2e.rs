@@ -682,6 +682,11 @@ async fn a_lost_reply_in_a_window_the_replica_never_counted_in_is_repaired() {
         .should_rate_limit(single("f", &[("fw", "warm")]))
         .await
         .expect("warm-up");
+    // Into the next window: one that began after the replica started
+    // counting, where it knows it has no count of its own (in the window
+    // of its start a previous run might have had one).
+    let into = now_ms() % 1000;
+    tokio::time::sleep(Duration::from_millis(1000 - into + 20)).await;
     c.proxies[0].set(Mode::DropReplies);
     let reply = client
         .should_rate_limit(single("f", &[("fw", "fresh")]))

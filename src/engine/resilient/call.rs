@@ -51,6 +51,32 @@ pub(super) enum Decided {
 }
 
 /// A call past its budget, with what its completion must do.
+/// A decision call this replica is waiting on. Should the waiting future be
+/// dropped (the client went away) while the call is out, the call may
+/// still apply and its reply will never be read: its keys are left suspect,
+/// and no longer counted in flight, so that they are repaired.
+struct Waiting<'a> {
+    engine: &'a ResilientEngine,
+    batch: &'a Batch,
+    sent_ms: u64,
+    armed: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let e = self.engine;
+        let now = e.clock.now_ms();
+        let sent = e.redis_now(self.sent_ms).saturating_sub(e.cfg.deadline_ms);
+        for c in &self.batch.charges {
+            e.ledger.mark_suspect(&c.key, &c.spec, now, sent);
+            e.ledger.note_answered(&c.key, c.refund);
+        }
+    }
+}
+
 struct Late {
     batch: Batch,
     result: Result<RawReply, CallError>,
@@ -153,6 +179,12 @@ impl ResilientEngine {
         let started = Instant::now();
         let backend = self.backend.clone();
         let owned = batch.clone();
+        let mut waiting = Waiting {
+            engine: self,
+            batch,
+            sent_ms: now,
+            armed: true,
+        };
         let mut call =
             tokio::spawn(async move { backend.decide(&owned, &expected, &presume).await });
         let joined = match tokio::time::timeout(Duration::from_millis(budget), &mut call).await {
@@ -169,6 +201,8 @@ impl ResilientEngine {
                         .fetch_add(1, Ordering::Relaxed);
                 }
                 self.defer(call, batch.clone(), alive, failure_counted, started, now);
+                // The late queue answers for it from here.
+                waiting.armed = false;
                 return if alive {
                     Decided::Unanswered
                 } else {
@@ -179,6 +213,7 @@ impl ResilientEngine {
         let result = joined.unwrap_or_else(|e| Err(CallError::Reply(format!("call task: {e}"))));
         self.observe(started);
         let result = self.weigh_loss(batch, &marks, result);
+        waiting.armed = false;
         let outcome = self.settle_call(batch, result, now);
         // After the reply's deltas are recorded (or the key marked suspect),
         // so the confirmed count already includes this call's refund.

@@ -95,6 +95,9 @@ struct Entry {
     version: u64,
     last_issue_ms: u64,
     touched_ms: u64,
+    /// Local time the entry was made: every confirmed call for the key
+    /// since is in its tallies.
+    created_ms: u64,
     /// Redis-path calls with a refund for this key sent and not yet
     /// answered. A refund lowers this replica's field before its reply
     /// lowers the confirmed count, so meanwhile a field below the confirmed
@@ -132,6 +135,7 @@ impl Entry {
             version: 0,
             last_issue_ms: 0,
             touched_ms: now_ms,
+            created_ms: now_ms,
             refunds_in_flight: 0,
             refunds_sent: 0,
             calls_in_flight: 0,
@@ -213,6 +217,12 @@ pub struct Ledger {
     bytes: AtomicUsize,
     /// Clean entries evicted to make room.
     pub evicted: AtomicU64,
+    /// Local time of the first entry: before it, this process counted
+    /// nothing (a previous run of the replica may have).
+    first_seen_ms: AtomicU64,
+    /// Local time of the latest entry evicted or not tracked: some key's
+    /// confirmed counts from before it may be missing.
+    last_lost_ms: AtomicU64,
     last_full_log_ms: AtomicU64,
     /// Unreplayed usage dropped because the ledger was full.
     pub dropped_usage: AtomicU64,
@@ -234,6 +244,8 @@ impl Ledger {
             len: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
             evicted: AtomicU64::new(0),
+            first_seen_ms: AtomicU64::new(0),
+            last_lost_ms: AtomicU64::new(0),
             last_full_log_ms: AtomicU64::new(0),
             dropped_usage: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
@@ -257,6 +269,12 @@ impl Ledger {
         now_ms: u64,
         f: impl FnOnce(&mut Entry) -> R,
     ) -> Option<R> {
+        let _ = self.first_seen_ms.compare_exchange(
+            0,
+            now_ms.max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
         let mut map = self.shard(key).lock();
         if !map.contains_key(key) {
             let cost = entry_cost(key);
@@ -269,7 +287,7 @@ impl Ledger {
                 let victim = map
                     .iter()
                     .take(EVICTION_SAMPLE)
-                    .filter(|(_, e)| !e.needs_replay())
+                    .filter(|(_, e)| !e.needs_replay() && e.calls_in_flight == 0)
                     .min_by_key(|(_, e)| e.touched_ms)
                     .map(|(k, _)| k.clone());
                 match victim {
@@ -278,8 +296,12 @@ impl Ledger {
                         self.len.fetch_sub(1, Ordering::Relaxed);
                         self.bytes.fetch_sub(entry_cost(&k), Ordering::Relaxed);
                         self.evicted.fetch_add(1, Ordering::Relaxed);
+                        self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
                     }
-                    None => return None,
+                    None => {
+                        self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
+                        return None;
+                    }
                 }
             }
             map.insert(key.clone(), Entry::new(*spec, now_ms));

@@ -3,6 +3,7 @@
 
 use super::{window_live, window_of, Ledger, Planned};
 use crate::domain::backend::{ReplayEntry, ReplayKind};
+use std::sync::atomic::Ordering;
 
 impl Ledger {
     /// What to replay now: local usage Redis has not confirmed, and repairs
@@ -71,15 +72,35 @@ impl Ledger {
                     // `quiet_ms` after the key's last call (twice that from
                     // `unsure_from_ms`, which is early by a deadline, should
                     // the entry have been evicted and made anew meanwhile).
+                    // Only where the tallies are complete: a window that began
+                    // after the entry was made, or after this process began
+                    // counting with no key's counts lost since. Elsewhere
+                    // (a previous run of this replica, an evicted entry)
+                    // the field may hold confirmed counts this entry never
+                    // saw, and it is left as it is: Redis then counts too
+                    // much rather than too little.
                     let offset = redis_now_ms as i64 - now_ms as i64;
-                    let last = ((e.last_issue_ms as i64 + offset).max(0) as u64)
+                    let to_redis = |local: u64| (local as i64 + offset).max(0) as u64;
+                    let complete_from = to_redis(e.created_ms).min(to_redis(
+                        self.first_seen_ms
+                            .load(Ordering::Relaxed)
+                            .max(self.last_lost_ms.load(Ordering::Relaxed)),
+                    ));
+                    let last = to_redis(e.last_issue_ms)
                         .saturating_add(quiet_ms)
                         .max(unsure.saturating_add(2 * quiet_ms));
                     let to = window_of(&e.spec, last.min(redis_now_ms));
-                    let from = window_of(&e.spec, unsure).min(to);
+                    let unit = e.spec.unit.millis().max(1);
+                    let first_live =
+                        window_of(&e.spec, redis_now_ms.saturating_sub(margin_ms + 2 * unit));
+                    let from = window_of(&e.spec, unsure).max(first_live).min(to);
                     for window in from..=to {
                         let untallied = !e.windows.iter().any(|w| w.window == window);
-                        if untallied && window_live(&e.spec, window, redis_now_ms, margin_ms) {
+                        let complete = window.saturating_mul(unit) >= complete_from;
+                        if untallied
+                            && complete
+                            && window_live(&e.spec, window, redis_now_ms, margin_ms)
+                        {
                             entries.push(ReplayEntry {
                                 key: key.clone(),
                                 spec: e.spec,

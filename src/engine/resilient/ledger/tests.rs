@@ -141,7 +141,9 @@ fn a_key_with_a_call_in_flight_or_unsure_is_not_swept_before_its_repair() {
         .iter()
         .map(|e| (e.window, e.value))
         .collect();
-    assert_eq!(windows, vec![(5, 0), (6, 0)]);
+    // Window 5 began before this ledger counted anything (Redis time 6_000
+    // here): a previous run may have counted in it, so it is left alone.
+    assert_eq!(windows, vec![(6, 0)]);
     l.mark_replayed(&plan);
     l.sweep(8_500, 1_000);
     assert!(l.is_empty(), "repaired, then swept");
