@@ -158,6 +158,16 @@ async fn clients(replicas: &[Leasehold]) -> Vec<RateLimitServiceClient<Channel>>
     out
 }
 
+/// Settings for a cluster at `url` with a 250 ms budget: every decision on
+/// Redis, so the counts are exact.
+fn on_redis(url: &str) -> [(&'static str, &str); 3] {
+    [
+        ("LEASEHOLD_REDIS_URL", url),
+        ("LEASEHOLD_REDIS_DEADLINE_MS", "250"),
+        ("LEASEHOLD_REDIS_BUDGET_MAX_MS", "250"),
+    ]
+}
+
 const USERS: usize = 64;
 const LIMIT: u64 = 50;
 
@@ -301,11 +311,7 @@ async fn a_client_stopped_by_a_redirection_is_started_again() {
         &dir,
         "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100000}\n",
     );
-    let env = [
-        ("LEASEHOLD_REDIS_URL", url.as_str()),
-        ("LEASEHOLD_REDIS_DEADLINE_MS", "250"),
-        ("LEASEHOLD_REDIS_BUDGET_MAX_MS", "250"),
-    ];
+    let env = on_redis(&url);
     let replicas = tokio::task::block_in_place(|| start_replicas("k", 1, &r, &env, &dir));
     let cs = clients(&replicas).await;
     let users = |i: usize| {
@@ -372,12 +378,7 @@ async fn a_request_across_slots_is_all_or_nothing() {
         &dir,
         "domain: edge\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100000}\n  - key: plan\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
     );
-    let env = [
-        ("LEASEHOLD_REDIS_URL", url.as_str()),
-        // Every decision on Redis, so the counts are exact.
-        ("LEASEHOLD_REDIS_DEADLINE_MS", "250"),
-        ("LEASEHOLD_REDIS_BUDGET_MAX_MS", "250"),
-    ];
+    let env = on_redis(&url);
     let replicas = tokio::task::block_in_place(|| start_replicas("s", 2, &r, &env, &dir));
     let cs = clients(&replicas).await;
     wait_for_room(60_000, 30_000).await;
