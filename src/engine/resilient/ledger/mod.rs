@@ -269,12 +269,15 @@ impl Ledger {
         now_ms: u64,
         f: impl FnOnce(&mut Entry) -> R,
     ) -> Option<R> {
-        let _ = self.first_seen_ms.compare_exchange(
-            0,
-            now_ms.max(1),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
+        // A load first: this runs on every call, the store only once.
+        if self.first_seen_ms.load(Ordering::Relaxed) == 0 {
+            let _ = self.first_seen_ms.compare_exchange(
+                0,
+                now_ms.max(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
         let mut map = self.shard(key).lock();
         if !map.contains_key(key) {
             let cost = entry_cost(key);
