@@ -196,13 +196,13 @@ impl RedisEngine {
             windows_at: self.redis.is_cluster().then(|| self.redis_now_ms()),
             pinned,
         };
-        let (keys, args) = scripts::decide_args(&self.prefix, batch, &call);
+        let args = scripts::decide_args(&self.prefix, batch, &call);
         let slot = batch
             .charges
             .first()
             .map(|c| crate::redis::keys::counter_slot(&c.key))
             .unwrap_or(0);
-        match self.redis.decide(slot, keys, args, affinity(batch)).await {
+        match self.redis.decide(slot, args, affinity(batch)).await {
             Ok(reply) => {
                 if let Some(&now) = reply.get(1) {
                     self.offset_ms

@@ -1,12 +1,15 @@
 //! Coalescing: decision calls bound for one connection that arrive while
 //! a call is in flight on it are sent together, as one script call that
-//! decides them one after the other (`decide.lua`, batch form), each
-//! all-or-nothing on its own. An idle connection sends a call at once.
+//! decides them one after the other (`decide.lua`; a lone call is a batch
+//! of one), each all-or-nothing on its own. An idle connection sends a
+//! call at once.
 //!
-//! On a Redis Cluster a script call must keep to one slot, so only calls
-//! for one slot are sent together: a batch takes the queue's first call and
-//! the later ones for its slot, and leaves the others, in their order, for
-//! the next batch. The calls bound for one node are pipelined on its
+//! A script call carries what its requests share (the replica's index,
+//! epoch, failure episode and presumed members) once, so only calls with
+//! the same header go together; on a Redis Cluster a script call must also
+//! keep to one slot. A batch takes the queue's first call and the later
+//! ones with its slot and header, and leaves the others, in their order,
+//! for the next batch. The calls bound for one node are pipelined on its
 //! connection either way.
 //!
 //! What stays true per request: the order of calls for one key (they share
@@ -22,6 +25,7 @@ use fred::types::Value;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use super::scripts::DecideArgs;
 use super::{integers, CallError, Redis};
 
 /// Requests per batch at most (and so per script call).
@@ -32,8 +36,7 @@ type Reply = Result<Vec<i64>, CallError>;
 struct Queued {
     /// The Cluster slot of every key (0 on one Redis).
     slot: u16,
-    keys: Vec<String>,
-    args: Vec<Value>,
+    call: DecideArgs,
     reply: oneshot::Sender<Reply>,
 }
 
@@ -62,12 +65,12 @@ impl Queues {
 
 impl Redis {
     /// Queues one decision call for the connection `affinity` picks and
-    /// waits for its reply.
+    /// waits for its reply: `{status, now_ms, items...}` (see
+    /// [`super::scripts::decode_decide`]).
     pub(super) async fn decide_coalesced(
         self: &Arc<Self>,
         slot_of_keys: u16,
-        keys: Vec<String>,
-        args: Vec<Value>,
+        call: DecideArgs,
         affinity: u64,
     ) -> Reply {
         let slot = (affinity % self.queues.slots.len() as u64) as usize;
@@ -76,8 +79,7 @@ impl Redis {
             let mut s = self.queues.slots[slot].lock();
             s.queue.push(Queued {
                 slot: slot_of_keys,
-                keys,
-                args,
+                call,
                 reply: tx,
             });
             !std::mem::replace(&mut s.sending, true)
@@ -108,34 +110,20 @@ impl Redis {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.batched
                 .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            if batch.len() == 1 {
-                for q in batch {
-                    let r = self
-                        .eval(
-                            &self.decide,
-                            q.keys,
-                            q.args,
-                            self.reply_timeout,
-                            Some(slot as u64),
-                        )
-                        .await
-                        .and_then(integers);
-                    let _ = q.reply.send(r);
-                }
-                continue;
-            }
-            let mut keys = Vec::with_capacity(batch.iter().map(|q| q.keys.len()).sum());
+            let mut keys = Vec::with_capacity(batch.iter().map(|q| q.call.keys.len()).sum());
             let mut args =
-                Vec::with_capacity(2 + batch.iter().map(|q| 2 + q.args.len()).sum::<usize>());
-            args.push(Value::from("B"));
-            args.push(Value::Integer(batch.len() as i64));
+                Vec::with_capacity(7 + batch.iter().map(|q| q.call.body.len()).sum::<usize>());
             let mut replies = Vec::with_capacity(batch.len());
-            for q in batch {
-                args.push(Value::Integer(q.keys.len() as i64));
-                args.push(Value::Integer(q.args.len() as i64));
-                keys.extend(q.keys);
-                args.extend(q.args);
-                replies.push(q.reply);
+            let count = batch.len();
+            for (i, q) in batch.into_iter().enumerate() {
+                let Queued { call, reply, .. } = q;
+                if i == 0 {
+                    args.extend(call.header);
+                    args.push(Value::Integer(count as i64));
+                }
+                keys.extend(call.keys);
+                args.extend(call.body);
+                replies.push(reply);
             }
             let result = self
                 .eval(
@@ -164,21 +152,33 @@ impl Redis {
 }
 
 /// The next batch: the first call queued and up to [`MAX_BATCH`] − 1 later
-/// ones for its slot, in order; the rest stay queued in order.
+/// ones with its slot and header, in order; the rest stay queued in order.
+/// Calls for one slot never pass each other: the batch stops taking calls
+/// of its slot at the first one with another header (say a refund made
+/// after the epoch was raised), which would otherwise run after the calls
+/// queued behind it, a refund before the charge it reverses.
 fn take_batch(queue: &mut Vec<Queued>) -> Vec<Queued> {
-    let Some(slot) = queue.first().map(|q| q.slot) else {
+    let Some(first) = queue.first() else {
         return Vec::new();
     };
-    if queue.iter().all(|q| q.slot == slot) {
+    let (slot, header) = (first.slot, first.call.header.clone());
+    if queue
+        .iter()
+        .all(|q| q.slot == slot && q.call.header == header)
+    {
         let n = queue.len().min(MAX_BATCH);
         return queue.drain(..n).collect();
     }
     let mut batch = Vec::new();
     let mut rest = Vec::with_capacity(queue.len());
+    let mut blocked = false;
     for q in queue.drain(..) {
-        if q.slot == slot && batch.len() < MAX_BATCH {
+        if q.slot != slot {
+            rest.push(q);
+        } else if !blocked && q.call.header == header && batch.len() < MAX_BATCH {
             batch.push(q);
         } else {
+            blocked = true;
             rest.push(q);
         }
     }
@@ -186,8 +186,13 @@ fn take_batch(queue: &mut Vec<Queued>) -> Vec<Queued> {
     batch
 }
 
-/// A batch reply, `{len, reply...}` per request, split into `n` replies.
+/// A batch reply, `{len, reply...}` per request then the call's Redis
+/// time, split into `n` replies, each with that time put after its status
+/// (`{status, now_ms, items...}`).
 fn split(flat: &[i64], n: usize) -> Result<Vec<Vec<i64>>, CallError> {
+    let (&now, flat) = flat
+        .split_last()
+        .ok_or_else(|| CallError::Reply("batch reply is empty".to_owned()))?;
     let mut out = Vec::with_capacity(n);
     let mut rest = flat;
     for _ in 0..n {
@@ -201,7 +206,15 @@ fn split(flat: &[i64], n: usize) -> Result<Vec<Vec<i64>>, CallError> {
                 tail.len()
             )));
         }
-        out.push(tail[..len].to_vec());
+        let part = &tail[..len];
+        let Some((&status, items)) = part.split_first() else {
+            return Err(CallError::Reply("a request's reply is empty".to_owned()));
+        };
+        let mut reply = Vec::with_capacity(len + 1);
+        reply.push(status);
+        reply.push(now);
+        reply.extend_from_slice(items);
+        out.push(reply);
         rest = &tail[len..];
     }
     if !rest.is_empty() {
@@ -219,28 +232,54 @@ mod tests {
 
     #[test]
     fn a_batch_reply_splits_per_request_or_says_why_not() {
-        let flat = [2, 7, 8, 0, 3, 1, 2, 3];
+        // Three requests (the second one fenced), then Redis's time.
+        let flat = [2, 0, 8, 1, -1, 3, 1, 2, 3, 5_000];
         assert_eq!(
             split(&flat, 3).ok(),
-            Some(vec![vec![7, 8], vec![], vec![1, 2, 3]])
+            Some(vec![
+                vec![0, 5_000, 8],
+                vec![-1, 5_000],
+                vec![1, 5_000, 2, 3]
+            ])
         );
         assert!(split(&flat, 2).is_err(), "items left over");
         assert!(split(&flat, 4).is_err(), "too short");
-        assert!(split(&[5, 1], 1).is_err(), "announces more than it has");
+        assert!(split(&[5, 1, 9], 1).is_err(), "announces more than it has");
+        assert!(split(&[0, 9], 1).is_err(), "a request without a status");
+        assert!(split(&[], 0).is_err(), "no time");
+    }
+
+    fn queued(slot: u16, epoch: i64, n: i64) -> Queued {
+        let header = [
+            Value::Integer(1),
+            Value::Integer(epoch),
+            Value::Integer(0),
+            Value::from(""),
+            Value::from(""),
+            Value::from(""),
+        ];
+        Queued {
+            slot,
+            call: DecideArgs {
+                keys: Vec::new(),
+                header,
+                body: vec![Value::Integer(n)],
+            },
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn order(calls: &[Queued]) -> Vec<i64> {
+        calls
+            .iter()
+            .filter_map(|q| q.call.body[0].as_i64())
+            .collect()
     }
 
     #[test]
     fn a_batch_keeps_to_the_slot_of_its_first_call() {
-        let call = |slot: u16, n: i64| Queued {
-            slot,
-            keys: Vec::new(),
-            args: vec![Value::Integer(n)],
-            reply: oneshot::channel().0,
-        };
+        let call = |slot: u16, n: i64| queued(slot, 1, n);
         let mut queue = vec![call(7, 1), call(9, 2), call(7, 3), call(9, 4), call(7, 5)];
-        let order = |calls: &[Queued]| -> Vec<i64> {
-            calls.iter().filter_map(|q| q.args[0].as_i64()).collect()
-        };
         assert_eq!(order(&take_batch(&mut queue)), [1, 3, 5]);
         assert_eq!(order(&queue), [2, 4]);
         assert_eq!(order(&take_batch(&mut queue)), [2, 4]);
@@ -248,5 +287,27 @@ mod tests {
         let mut many: Vec<Queued> = (0..40).map(|n| call(1, n)).collect();
         assert_eq!(take_batch(&mut many).len(), MAX_BATCH);
         assert_eq!(many.len(), 40 - MAX_BATCH);
+    }
+
+    #[test]
+    fn a_batch_keeps_to_the_header_of_its_first_call() {
+        // A request made after the epoch was raised is fenced by the new
+        // epoch, so it cannot ride with one that carries the old; and
+        // calls for one slot keep their order, so a call with another
+        // header ends the batch's run of its slot (calls of other slots
+        // may still join).
+        let mut queue = vec![
+            queued(1, 1, 1),
+            queued(1, 1, 2),
+            queued(1, 2, 3),
+            queued(1, 1, 4),
+            queued(5, 1, 5),
+        ];
+        assert_eq!(order(&take_batch(&mut queue)), [1, 2]);
+        assert_eq!(order(&queue), [3, 4, 5]);
+        assert_eq!(order(&take_batch(&mut queue)), [3]);
+        assert_eq!(order(&take_batch(&mut queue)), [4]);
+        assert_eq!(order(&take_batch(&mut queue)), [5]);
+        assert!(queue.is_empty());
     }
 }

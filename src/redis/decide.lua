@@ -1,47 +1,58 @@
--- leasehold: evaluate and (unless denied) apply one request's charges,
--- atomically, on Redis time. The arithmetic mirrors src/limit/algorithms.rs.
+-- leasehold: decide a batch of requests, one after the other, each
+-- evaluated and (unless denied) applied atomically and all-or-nothing on
+-- its own, on Redis time. The arithmetic mirrors src/limit/algorithms.rs.
+-- A single request is a batch of one.
 --
--- KEYS[i]  base key of charge i (i up to the number of charges, which the
---          ARGV count gives). The keys derived from it below only append to
---          it outside its hash tag, so a charge touches one slot. On a
---          Redis Cluster the keys a charge reads and writes follow as
---          KEYS[n+1...] too, only so that Redis knows them while their slot
---          migrates (the script derives them itself).
--- ARGV[1]  this replica's field name (its small numeric index)
--- ARGV[2]  this replica's epoch (see the fence below)
--- ARGV[3]  never_deny: "1" in global shadow mode
--- ARGV[4]  expiry margin in ms, added to every key's natural lifetime
--- ARGV[5]  call id, unique per replica incarnation (sliding-log member ids)
--- ARGV[6]  failure-episode token of this replica ("" when it had no Redis
---          failure recently), see "presumed holds" below
--- ARGV[7]  presumed peers: comma-separated field indices ("" none)
--- ARGV[8]  silent members: comma-separated field indices ("" none)
--- ARGV[#ARGV] (last) the call's token, returned as the reply's last item so
---          the caller can tell its reply from another call's
--- ARGV[9 + 11*(i-1) ...] per charge i: algorithm (1 fixed, 2 sliding window,
---          3 sliding log, 4 token bucket), limit, unit_ms, burst, hits,
---          flags (bit 0 refund; bits 1-2 role: 0 enforce, 1 shadow, 2 quota;
---          bit 3: the caller holds the demand of the previous window, so a
---          fixed window need not read it; bit 4: a take-back, decided in
---          window expected_w rather than the current one),
---          expected: this replica's confirmed count in window `expected_w`
---          (-1 unknown), expected_w (when the call lands in that window and
---          the field is below it, Redis lost data), the fraction of the
---          limit presumed per member, "1" when this replica may prove
---          itself in the window (it granted nothing there Redis lacks), and
---          its own local count in the window that it has not replayed yet
---          (counted as used, never written).
+-- ARGV, once per call (every request of a call comes from one replica):
+--   [1] this replica's field name (its small numeric index)
+--   [2] its epoch (see the fence below)
+--   [3] expiry margin in ms, added to every key's natural lifetime
+--   [4] its failure-episode token ("" when it had no Redis failure
+--       recently), see "presumed holds" below
+--   [5] presumed peers: comma-separated field indices ("" none)
+--   [6] silent members: comma-separated field indices ("" none)
+--   [7] the number of requests
+-- then per request:
+--   its shape "<keys>,<charges>,<never_deny>": how many KEYS it has, how
+--       many charges, "1" in global shadow mode
+--   its call id, unique per replica incarnation (sliding-log member ids)
+--   per charge i, two arguments:
+--     "<algorithm>,<limit>,<unit_ms>,<burst>,<hits>,<flags>,<expected_w>,
+--     <fraction>,<pending>": algorithm 1 fixed window, 2 sliding window,
+--       3 sliding log, 4 token bucket; flags bit 0 refund; bits 1-2 role
+--       (0 enforce, 1 shadow, 2 quota); bit 3: the caller holds the demand
+--       of the previous window, so a fixed window need not read it; bit 4:
+--       a take-back, decided in window expected_w rather than the current
+--       one; bit 5: this replica may prove itself in the window (it
+--       granted nothing there Redis lacks); expected_w: the window of the
+--       expected count; fraction: of the limit presumed per member;
+--       pending: this replica's own local count in the window not replayed
+--       yet (counted as used, never written). The requests of a batch
+--       mostly repeat these strings, and each distinct one is parsed once
+--       per call.
+--     expected: this replica's confirmed count in window expected_w (-1
+--       unknown); when the call lands in that window and the field is
+--       below it, Redis lost data.
+-- and last, the call's token, returned as the reply's last item so the
+-- caller can tell its reply from another call's.
 --
--- Reply: {status, now_ms, denied, lost, then per charge: over, remaining,
---         reset_ms, own, total, delta}. own/total: this replica's count and
---         the key's total in the previous (complete) window, for demand
---         shares (own -1 when some replica decided off Redis in it). status 1 = applied or denied; -1 =
---         stale: this replica's epoch is below a fence on one of the keys, so
---         nothing was written and the caller must not count this call. lost
---         = 1 when an own field was below what the replica knew it to be
---         (Redis restarted empty or failed over): the replica re-asserts its
---         counts. delta: what the charge changed this replica's field by
---         (0 when denied).
+-- KEYS, per request: the base key of each charge, then on a Redis Cluster
+-- the keys its charges read and write, only so that Redis knows them while
+-- their slot migrates (the script derives them itself). The keys derived
+-- from a base key only append to it outside its hash tag, so a charge
+-- touches one slot.
+--
+-- Reply: per request, the length of its reply and the reply {status, then
+-- per charge: remaining, reset_ms, own, total, delta}; then now_ms; then
+-- the token. status -1: stale, this replica's epoch is below a fence on one
+-- of the keys, so nothing was written and the caller must not count the
+-- request (no items follow); otherwise denied (1) + 2 × lost, lost when an
+-- own field was below what the replica knew it to be (Redis restarted
+-- empty or failed over): the replica re-asserts its counts. remaining: -1
+-- when the charge is over its limit. own/total: this replica's count and
+-- the key's total in the previous (complete) window, for demand shares
+-- (own -1 when some replica decided off Redis in it). delta: what the
+-- charge changed this replica's field by (0 when denied).
 --
 -- Counter layout (fixed and sliding window): one hash per (counter, window),
 -- "<base>@<window index>". Field "<idx>": replica idx's net count of
@@ -65,198 +76,275 @@
 -- (not deciding on Redis for longer than the membership TTL) are presumed
 -- in every window, proved or not. A presumed member's own "h" counts
 -- towards its presumption, not on top.
--- One request's decision; KEYS and ARGV are that request's (the script's
--- own in a single call, its slices in a batch).
--- `now`: Redis's time in ms, read once per script call. `shared`: the
--- state of the call's keys as its requests so far left it (each key read
--- once per call), and the window increments they made, written once per
--- key at the end of the call (`flush`).
-local function decide(KEYS, ARGV, now, shared)
-  local me = ARGV[1]
-  local epoch = tonumber(ARGV[2])
-  local fence_field = 'f' .. me
-  local never_deny = ARGV[3] == '1'
-  local margin = tonumber(ARGV[4])
-  local call_id = ARGV[5]
-  local episode = ARGV[6]
-  local n = math.floor((#ARGV - 8) / 11)
+--
+-- Written for a batch of many small requests, where every table lookup
+-- and function call counts: what a request decides with lives in tables
+-- made once per call and reused, the hot path (a fixed or sliding window)
+-- calls no function, and the call-level arguments are read once.
 
-  local function indices(list)
-    local out = {}
-    for v in string.gmatch(list, '[^,]+') do
-      if v ~= me then out[#out + 1] = v end
+local floor, max, min, tonumber, gmatch, byte, sub =
+  math.floor, math.max, math.min, tonumber, string.gmatch, string.byte, string.sub
+
+local t = redis.call('TIME')
+-- Redis's time in ms, read once per call.
+local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+
+local me = ARGV[1]
+local epoch = tonumber(ARGV[2])
+local margin = tonumber(ARGV[3])
+local episode = ARGV[4]
+local announce = ''
+if episode ~= '' then announce = me .. ':' .. episode end
+local fence_field, local_field, hold_field = 'f' .. me, 'o' .. me, 'h' .. me
+local announced_field, proof_field = 'y' .. me, 'g' .. me
+
+-- The indices of a comma-separated list other than this replica's, and
+-- the same as a set.
+local function indices(list)
+  local out = {set = {}}
+  for v in gmatch(list, '[^,]+') do
+    if v ~= me then
+      out[#out + 1] = v
+      out.set[v] = true
     end
-    return out
   end
-  local peers = indices(ARGV[7])
-  local silent = indices(ARGV[8])
-  local is_silent = {}
-  for _, j in ipairs(silent) do is_silent[j] = true end
-  local announce = ''
-  if episode ~= '' then announce = me .. ':' .. episode end
+  return out
+end
+local peers = indices(ARGV[5])
+local silent = indices(ARGV[6])
 
-  -- Sum of the count fields of a window hash, this replica's Redis-path
-  -- field, its local (outage) field, and its fence.
-  local local_field = 'o' .. me
-  local hold_field = 'h' .. me
-  local announced_field = 'y' .. me
-  local function read_window(key)
-    local flat = redis.call('HGETALL', key)
-    local total, own, own_local, fence, held = 0, 0, 0, 0, 0
-    -- Every writer sets the hash's expiry when it creates it, to the same
-    -- window end plus margin: an existing hash needs it no more.
-    local exists = #flat > 0
-    local holds, proofs, x, mine = {}, {}, nil, nil
-    -- Some replica decided off Redis in this window (it replayed, held, or
-    -- announced a failure episode): its totals may be incomplete.
-    local troubled = false
-    for i = 1, #flat, 2 do
-      local f = flat[i]
-      local b = string.byte(f, 1)
-      if b and b >= 48 and b <= 57 then
+-- Parsed request shapes and charges, by their string.
+local shapes, charges = {}, {}
+local function shape_of(s)
+  local p = {}
+  for v in gmatch(s, '[^,]+') do p[#p + 1] = tonumber(v) end
+  local shape = {keys = p[1], charges = p[2], never_deny = p[3] == 1}
+  shapes[s] = shape
+  return shape
+end
+local function charge_of(s)
+  local p = {}
+  for v in gmatch(s, '[^,]+') do p[#p + 1] = tonumber(v) end
+  local flags = p[6]
+  local ch = {algo = p[1], limit = p[2], unit = p[3], burst = p[4], hits = p[5],
+              refund = flags % 2 == 1, role = (flags % 8 - flags % 2) / 2,
+              demand_known = flags % 16 >= 8, pinned = flags % 32 >= 16, prove = flags >= 32,
+              expected_w = p[7], fraction = p[8] or 0, pending = p[9] or 0}
+  charges[s] = ch
+  return ch
+end
+
+-- "<base>@<w>", made once per call per window.
+local window_keys = {}
+local function window_key(base, w)
+  local per = window_keys[base]
+  if not per then
+    per = {}
+    window_keys[base] = per
+  end
+  local key = per[w]
+  if not key then
+    key = base .. '@' .. w
+    per[w] = key
+  end
+  return key
+end
+
+-- The state of each key the call's requests read (each key is read once
+-- per call), as they left it.
+local windows = {}
+
+-- Sum of the count fields of a window hash, this replica's Redis-path
+-- field, its local (outage) field, and its fence.
+local function read_window(key)
+  local flat = redis.call('HGETALL', key)
+  local total, own, own_local, fence, held = 0, 0, 0, 0, 0
+  -- Every writer sets the hash's expiry when it creates it, to the same
+  -- window end plus margin: an existing hash needs it no more.
+  local exists = #flat > 0
+  local holds, proofs, x, mine = {}, {}, nil, nil
+  -- Some replica decided off Redis in this window (it replayed, held, or
+  -- announced a failure episode): its totals may be incomplete.
+  local troubled = false
+  for i = 1, #flat, 2 do
+    local f = flat[i]
+    local b = byte(f, 1)
+    if b and b >= 48 and b <= 57 then
+      local v = tonumber(flat[i + 1]) or 0
+      total = total + v
+      if f == me then own = v end
+    elseif b == 111 then -- 'o'
+      local v = tonumber(flat[i + 1]) or 0
+      total = total + v
+      troubled = true
+      if f == local_field then own_local = v end
+    elseif b == 104 then -- 'h': another replica's unspent lease
+      troubled = true
+      if f ~= hold_field then
         local v = tonumber(flat[i + 1]) or 0
-        total = total + v
-        if f == me then own = v end
-      elseif b == 111 then -- 'o'
-        local v = tonumber(flat[i + 1]) or 0
-        total = total + v
-        troubled = true
-        if f == local_field then own_local = v end
-      elseif b == 104 then -- 'h': another replica's unspent lease
-        troubled = true
-        if f ~= hold_field then
-          local v = tonumber(flat[i + 1]) or 0
-          held = held + v
-          holds[string.sub(f, 2)] = v
-        end
-      elseif b == 103 then -- 'g': a proof
-        proofs[string.sub(f, 2)] = flat[i + 1]
-      elseif f == 'x' then
-        x = flat[i + 1]
-        troubled = true
-      elseif f == announced_field then
-        mine = flat[i + 1]
-      elseif f == fence_field then
-        fence = tonumber(flat[i + 1]) or 0
+        held = held + v
+        holds[sub(f, 2)] = v
+      end
+    elseif b == 103 then -- 'g': a proof
+      proofs[sub(f, 2)] = flat[i + 1]
+    elseif f == 'x' then
+      x = flat[i + 1]
+      troubled = true
+    elseif f == announced_field then
+      mine = flat[i + 1]
+    elseif f == fence_field then
+      fence = tonumber(flat[i + 1]) or 0
+    end
+  end
+  local w = {total = total, own = own, own_local = own_local, fence = fence, held = held,
+             holds = holds, proofs = proofs, x = x, mine = mine, troubled = troubled,
+             exists = exists}
+  windows[key] = w
+  return w
+end
+
+-- The request being decided: `serial` tells its touches from earlier
+-- requests'; `touched` the key states it changed, each backed up (in the
+-- state itself) on the request's first touch, to be undone if it is
+-- denied or stale; `meta` its announcements and proofs; `wr` its writes,
+-- 8 slots each.
+local serial = 0
+local touched, ntouched = {}, 0
+local meta, nmeta = {}, 0
+local wr, nwr = {}, 0
+-- Per charge of the request: its role and result.
+local roles, r_over, r_rem_now, r_rem_after, r_reset, r_own, r_total, r_delta =
+  {}, {}, {}, {}, {}, {}, {}, {}
+
+-- Backs up a key state's counts on the request's first touch (the window
+-- path does the same inline). Announcement state is backed up apart, and
+-- only when a request changes it (`presumed`).
+local function touch(st)
+  if st.mark ~= serial then
+    st.mark = serial
+    ntouched = ntouched + 1
+    touched[ntouched] = st
+    st.b_total, st.b_own, st.b_count = st.total, st.own, st.count
+    st.b_tokens, st.b_updated = st.tokens, st.updated
+  end
+  return st
+end
+
+-- Undoes this request's changes: its counts when it is denied (its
+-- announcements and proofs are written all the same), everything when it
+-- is stale (nothing is written).
+local function undo(all)
+  for k = 1, ntouched do
+    local st = touched[k]
+    st.total, st.own, st.count = st.b_total, st.b_own, st.b_count
+    st.tokens, st.updated = st.b_tokens, st.b_updated
+    if all and st.meta_mark == serial then
+      st.x, st.mine, st.proofs, st.troubled = st.b_x, st.b_mine, st.b_proofs, st.b_troubled
+      st.b_proofs[me] = st.b_proof
+    end
+  end
+end
+
+local function window(key)
+  return touch(windows[key] or read_window(key))
+end
+
+local function write(kind, a, b, c, d, e, f, g)
+  local at = nwr * 8
+  nwr = nwr + 1
+  wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = kind, a, b, c
+  wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8] = d, e, f, g
+end
+
+-- What the presumed members may grant in window `cur` unseen, beyond
+-- their holds (see "presumed holds"); also queues this request's
+-- announcement and proof for the window.
+local function presumed(key, cur, fraction, limit, prove, expire_at)
+  local announcing = announce ~= '' and fraction > 0 and cur.mine ~= episode
+  local proving = not announcing and prove and cur.x and cur.proofs[me] ~= cur.x
+  if (announcing or proving) and cur.meta_mark ~= serial then
+    cur.meta_mark = serial
+    cur.b_x, cur.b_mine, cur.b_proofs, cur.b_troubled = cur.x, cur.mine, cur.proofs, cur.troubled
+    cur.b_proof = cur.proofs[me]
+  end
+  if announcing then
+    cur.x = announce
+    cur.mine = episode
+    cur.proofs = {}
+    cur.troubled = true
+    nmeta = nmeta + 1
+    meta[nmeta] = {key, 'x', announce, announced_field, episode, expire_at}
+  elseif proving then
+    cur.proofs[me] = cur.x
+    nmeta = nmeta + 1
+    meta[nmeta] = {key, proof_field, cur.x, nil, nil, expire_at}
+  end
+  if fraction <= 0 then return 0 end
+  local share = floor(fraction * limit)
+  local extra = 0
+  local holds = cur.holds
+  -- A presumed member's unspent lease "h" counts towards its presumption,
+  -- not on top. Its replayed local grants "o" do count on top: they may
+  -- come from a lease larger than the share presumed, so leaving them out
+  -- would undercount.
+  for k = 1, #silent do
+    extra = extra + max(0, share - (holds[silent[k]] or 0))
+  end
+  if announce ~= '' then
+    local x, proofs, is_silent = cur.x, cur.proofs, silent.set
+    for k = 1, #peers do
+      local j = peers[k]
+      if not is_silent[j] and (x == nil or proofs[j] ~= x) then
+        extra = extra + max(0, share - (holds[j] or 0))
       end
     end
-    return {total = total, own = own, own_local = own_local, fence = fence, held = held,
-            holds = holds, proofs = proofs, x = x, mine = mine, troubled = troubled,
-            exists = exists}
   end
+  return extra
+end
 
-  -- What the presumed members may grant in window `cur` unseen, beyond
-  -- their holds (see "presumed holds"); also queues this call's
-  -- announcement and proof for the window.
-  local meta = {}
-  local function presumed(key, cur, fraction, limit, prove, expire_at)
-    if announce ~= '' and fraction > 0 and cur.mine ~= episode then
-      cur.x = announce
-      cur.mine = episode
-      cur.proofs = {}
-      cur.troubled = true
-      meta[#meta + 1] = {key, 'x', announce, announced_field, episode, expire_at}
-    elseif prove and cur.x and cur.proofs[me] ~= cur.x then
-      cur.proofs[me] = cur.x
-      meta[#meta + 1] = {key, 'g' .. me, cur.x, nil, nil, expire_at}
-    end
-    if fraction <= 0 then return 0 end
-    local share = math.floor(fraction * limit)
-    local extra = 0
-    -- A presumed member's unspent lease "h" counts towards its presumption,
-    -- not on top. Its replayed local grants "o" do count on top: they may
-    -- come from a lease larger than the share presumed, so leaving them out
-    -- would undercount.
-    local function unseen(j)
-      return math.max(0, share - (cur.holds[j] or 0))
-    end
-    for _, j in ipairs(silent) do
-      extra = extra + unseen(j)
-    end
-    if announce ~= '' then
-      for _, j in ipairs(peers) do
-        if not is_silent[j] and (cur.x == nil or cur.proofs[j] ~= cur.x) then
-          extra = extra + unseen(j)
-        end
-      end
-    end
-    return extra
-  end
+-- The window increments of the call's admitted requests, one HINCRBY per
+-- key at the end of the call: the state the later requests saw already
+-- counted them.
+local incr, order = {}, {}
 
-  -- Per-key state, shared by the requests of one call: a key charged
-  -- again (in this request or a later one of the batch) sees the charges
-  -- before. A request notes what it changes on first touch, to undo it if
-  -- it is denied or stale.
-  local windows = shared.windows[me]
-  if not windows then
-    windows = {}
-    shared.windows[me] = windows
-  end
-  local touched = {}
-  local function touch(st)
-    if not touched[st] then
-      touched[st] = {total = st.total, own = st.own, count = st.count, tokens = st.tokens,
-                     updated = st.updated, x = st.x, mine = st.mine, proofs = st.proofs,
-                     proof = st.proofs and st.proofs[me], troubled = st.troubled}
-    end
-    return st
-  end
-  -- Undoes this request's changes: its counts when it is denied (its
-  -- announcements and proofs are written all the same), everything when
-  -- it is stale (nothing is written).
-  local function undo(all)
-    for st, b in pairs(touched) do
-      st.total, st.own, st.count = b.total, b.own, b.count
-      st.tokens, st.updated = b.tokens, b.updated
-      if all then
-        st.x, st.mine, st.proofs, st.troubled = b.x, b.mine, b.proofs, b.troubled
-        if b.proofs then b.proofs[me] = b.proof end
-      end
-    end
-  end
-  local function window(key)
-    local w = windows[key]
-    if not w then
-      w = read_window(key)
-      windows[key] = w
-    end
-    return touch(w)
-  end
-
+-- One request's decision: its keys follow KEYS[ko], its arguments
+-- ARGV[ao] (its shape). Appends its reply to `out` after index `nout` and
+-- returns the new end.
+local function decide(ko, ao, shape, out, nout)
+  serial = serial + 1
+  ntouched, nmeta, nwr = 0, 0, 0
+  local call_id = ARGV[ao + 1]
+  local n = shape.charges
   local stale = false
   local lost = false
-  local results = {}
-  local writes = {}
-  local roles = {}
 
   for i = 1, n do
-    local o = 9 + 11 * (i - 1)
-    local algo = tonumber(ARGV[o])
-    local limit = tonumber(ARGV[o + 1])
-    local unit = tonumber(ARGV[o + 2])
-    local burst = tonumber(ARGV[o + 3])
-    local hits = tonumber(ARGV[o + 4])
-    local flags = tonumber(ARGV[o + 5])
-    local refund = flags % 2 == 1
-    local demand_known = math.floor(flags / 8) % 2 == 1
-    -- bit 4: a take-back (fixed and sliding window): decided in window
-    -- expected_w, the one the charge it reverses landed in, whatever the
-    -- time now.
-    local pinned = math.floor(flags / 16) % 2 == 1
-    local expected = tonumber(ARGV[o + 6])
-    local expected_w = tonumber(ARGV[o + 7])
-    local fraction = tonumber(ARGV[o + 8]) or 0
-    local prove = ARGV[o + 9] == '1'
-    local pending = tonumber(ARGV[o + 10]) or 0
-    roles[i] = math.floor(flags / 2) % 4
-    local base = KEYS[i]
-    local r = {over = 0, rem_now = 0, rem_after = 0, reset = 0, own = 0, total = 0, delta = 0}
+    local o = ao + 2 * i
+    local s = ARGV[o]
+    local ch = charges[s] or charge_of(s)
+    local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
+    local refund = ch.refund
+    local expected = tonumber(ARGV[o + 1])
+    local expected_w = ch.expected_w
+    roles[i] = ch.role
+    local base = KEYS[ko + i]
+    local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
 
     if algo == 1 or algo == 2 then
-      local w = math.floor(now / unit)
+      local w = (now - now % unit) / unit
+      -- A take-back is decided in window expected_w, the one the charge
+      -- it reverses landed in, whatever the time now.
+      local pinned = ch.pinned
       if pinned then w = expected_w end
-      local key = base .. '@' .. w
-      local cur = window(key)
+      local per = window_keys[base]
+      local key = per and per[w] or window_key(base, w)
+      local cur = windows[key] or read_window(key)
+      if cur.mark ~= serial then
+        cur.mark = serial
+        ntouched = ntouched + 1
+        touched[ntouched] = cur
+        cur.b_total, cur.b_own = cur.total, cur.own
+      end
       if cur.fence > epoch then stale = true end
       if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
       local weighted = 0
@@ -265,48 +353,56 @@ local function decide(KEYS, ARGV, now, shared)
       -- fixed window reads it only for those shares, so not when the caller
       -- has them already (it then gets no demand back, and keeps its own).
       local prev = nil
-      if algo == 2 or not demand_known then
-        prev = window(base .. '@' .. (w - 1))
+      if algo == 2 or not ch.demand_known then
+        prev = window(window_key(base, w - 1))
       end
       if algo == 2 then
         if prev.fence > epoch then stale = true end
         if prev.total > 0 and not pinned then
-          weighted = math.floor(prev.total * (unit - (now - w * unit)) / unit)
+          weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
         end
       end
       local expire_at = (w + 1) * unit + margin
       if algo == 2 then expire_at = expire_at + unit end
       -- What the other replicas off Redis still hold of their leases, or may
-      -- hold unseen, counts as used here, so it is not granted twice.
-      local count = cur.total + pending + cur.held + presumed(key, cur, fraction, limit, prove, expire_at)
+      -- hold unseen, counts as used here, so it is not granted twice (a
+      -- presumption only after a failure, or to prove a window).
+      local count = cur.total + ch.pending + cur.held
+      local fraction = ch.fraction
+      if fraction > 0 or (ch.prove and cur.x) then
+        count = count + presumed(key, cur, fraction, limit, ch.prove, expire_at)
+      end
       local estimate = weighted + count
-      local delta, after
+      local after
       if refund then
-        local c = math.max(0, cur.total - hits)
-        delta = c - cur.total
-        after = weighted + c + cur.held
+        local left = cur.total - hits
+        if left < 0 then left = 0 end
+        delta = left - cur.total
+        after = weighted + left + cur.held
       else
         delta = hits
         after = estimate + hits
-        if after > limit then r.over = 1 end
+        if after > limit then over = 1 end
       end
-      r.rem_now = math.max(0, limit - estimate)
-      r.rem_after = (r.over == 1) and 0 or math.max(0, limit - after)
-      r.reset = (w + 1) * unit - now
+      rem_now = limit - estimate
+      if rem_now < 0 then rem_now = 0 end
+      if over == 0 and limit > after then rem_after = limit - after end
+      reset = (w + 1) * unit - now
       cur.total = cur.total + delta
       cur.own = cur.own + delta
-      r.delta = delta
       -- Demand shares only from a window every replica decided on Redis:
       -- shares taken from incomplete totals could add up to more than 1.
       if prev == nil or prev.troubled then
-        r.own = -1
-        r.total = 0
+        own = -1
       else
-        r.own = prev.own + prev.own_local
-        r.total = prev.total
+        own = prev.own + prev.own_local
+        total = prev.total
       end
       if delta ~= 0 then
-        writes[#writes + 1] = {'hincr', key, delta, expire_at, cur.exists}
+        local at = nwr * 8
+        nwr = nwr + 1
+        wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5] =
+          'hincr', key, delta, expire_at, cur.exists
       end
     elseif algo == 3 then
       -- Sliding log: one member per hit, scored by time; member ids are
@@ -314,7 +410,7 @@ local function decide(KEYS, ARGV, now, shared)
       local st = windows[base]
       if not st then
         redis.call('ZREMRANGEBYSCORE', base, '-inf', now - unit)
-        st = {count = redis.call('ZCARD', base), added = 0}
+        st = {count = redis.call('ZCARD', base)}
         windows[base] = st
       end
       touch(st)
@@ -324,37 +420,38 @@ local function decide(KEYS, ARGV, now, shared)
       -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
       -- refund takes at most that many.
       if refund then
-        local k = math.min(hits, count, 10000)
+        local k = min(hits, count, 10000)
         after = count - k
-        if k > 0 then writes[#writes + 1] = {'zpop', base, k} end
-        r.delta = -k
+        if k > 0 then write('zpop', base, k) end
+        delta = -k
       else
         after = count + hits
         local too_big = hits > 10000
-        if after > limit or too_big then r.over = 1 end
+        if after > limit or too_big then over = 1 end
         -- Past the limit (shadow) the log saturates at limit + 1 members.
-        local m = math.min(hits, math.max(0, limit + 1 - count))
+        local m = min(hits, max(0, limit + 1 - count))
         if too_big then m = 0 end
         if m > 0 then
-          writes[#writes + 1] = {'zadd', base, m, i, now + unit + margin}
+          write('zadd', base, m, i, now + unit + margin)
         end
-        r.delta = m
+        delta = m
       end
       -- What the log holds now (a charge past the limit adds fewer
       -- members than hits), for the requests after this one.
-      st.count = count + r.delta
-      r.rem_now = math.max(0, limit - count)
-      r.rem_after = (r.over == 1) and 0 or math.max(0, limit - after)
+      st.count = count + delta
+      rem_now = max(0, limit - count)
+      rem_after = (over == 1) and 0 or max(0, limit - after)
       local oldest = redis.call('ZRANGE', base, 0, 0, 'WITHSCORES')
       local first = tonumber(oldest[2]) or now
       if count == 0 and after > 0 then first = now end
-      r.reset = math.max(1, first + unit - now)
-      r.own = -1
-      r.total = after
+      reset = max(1, first + unit - now)
+      own = -1
+      total = after
     else
       -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
       -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
       -- demand shares and replay.
+      local burst = ch.burst
       local st = windows[base]
       if not st then
         local v = redis.call('HMGET', base, 't', 'u', fence_field)
@@ -365,15 +462,15 @@ local function decide(KEYS, ARGV, now, shared)
       touch(st)
       -- Every request of the call checks the fence, not only the first.
       if st.fence > epoch then stale = true end
-      local elapsed = math.max(0, now - st.updated)
+      local elapsed = max(0, now - st.updated)
       local rate = limit / unit
-      local tokens_now = math.min(burst, st.tokens + elapsed * rate)
+      local tokens_now = min(burst, st.tokens + elapsed * rate)
       local after
       if refund then
-        after = math.min(burst, tokens_now + hits)
+        after = min(burst, tokens_now + hits)
       else
-        if hits > tokens_now then r.over = 1 end
-        after = math.max(0, tokens_now - hits)
+        if hits > tokens_now then over = 1 end
+        after = max(0, tokens_now - hits)
       end
       local full_in
       if limit == 0 then
@@ -385,38 +482,41 @@ local function decide(KEYS, ARGV, now, shared)
       end
       st.tokens = after
       st.updated = now
-      r.rem_now = math.floor(tokens_now)
-      r.rem_after = (r.over == 1) and 0 or math.floor(after)
-      r.reset = math.max(1, full_in)
-      local w = math.floor(now / unit)
-      local ckey = base .. '@' .. w
+      rem_now = floor(tokens_now)
+      rem_after = (over == 1) and 0 or floor(after)
+      reset = max(1, full_in)
+      local w = floor(now / unit)
+      local ckey = window_key(base, w)
       local use = window(ckey)
       if expected >= 0 and w == expected_w and use.own < expected then lost = true end
       -- What this charge drew from the bucket: its hits when admitted, what
       -- was left when charged past empty (shadow); always an integer.
       local consumed = 0
       if not refund then
-        if r.over == 1 then consumed = math.floor(tokens_now) else consumed = hits end
+        if over == 1 then consumed = floor(tokens_now) else consumed = hits end
       end
       use.total = use.total + consumed
       use.own = use.own + consumed
-      local prev_use = window(base .. '@' .. (w - 1))
-      r.own = prev_use.own + prev_use.own_local
-      r.total = prev_use.total
-      r.delta = consumed
-      writes[#writes + 1] = {'bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin}
+      local prev_use = window(window_key(base, w - 1))
+      own = prev_use.own + prev_use.own_local
+      total = prev_use.total
+      delta = consumed
+      write('bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin)
     end
-    results[i] = r
+    r_over[i], r_rem_now[i], r_rem_after[i], r_reset[i] = over, rem_now, rem_after, reset
+    r_own[i], r_total[i], r_delta[i] = own, total, delta
   end
 
   if stale then
     undo(true)
-    return {-1, now, 0, 0}
+    out[nout + 1] = -1
+    return nout + 1
   end
 
   -- Announcements and proofs are facts about who decides where, written
   -- whether or not the request is admitted.
-  for _, m in ipairs(meta) do
+  for k = 1, nmeta do
+    local m = meta[k]
     if m[4] then
       redis.call('HSET', m[1], m[2], m[3], m[4], m[5])
     else
@@ -429,113 +529,102 @@ local function decide(KEYS, ARGV, now, shared)
   local quota_seen = false
   local quota_all_over = true
   for i = 1, n do
-    local over = results[i].over == 1
-    if roles[i] == 0 then
-      if over then enforce_over = true end
-    elseif roles[i] == 2 then
+    local is_over = r_over[i] == 1
+    local role = roles[i]
+    if role == 0 then
+      if is_over then enforce_over = true end
+    elseif role == 2 then
       quota_seen = true
-      if not over then quota_all_over = false end
+      if not is_over then quota_all_over = false end
     end
   end
-  local denied = (not never_deny) and (enforce_over or (quota_seen and quota_all_over))
-  if denied then undo(false) end
+  local denied = (not shape.never_deny) and (enforce_over or (quota_seen and quota_all_over))
 
-  if not denied then
-    for _, wr in ipairs(writes) do
-      local kind = wr[1]
+  if denied then
+    undo(false)
+  else
+    for k = 0, nwr - 1 do
+      local at = k * 8
+      local kind, a, b, c, d, e, f, g =
+        wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
       if kind == 'hincr' then
-        local p = shared.incr[wr[2]]
+        -- a key, b delta, c expire_at, d whether the hash existed
+        local p = incr[a]
         if not p then
-          p = {me = me, delta = 0, expire_at = wr[4], exists = wr[5]}
-          shared.incr[wr[2]] = p
-          shared.order[#shared.order + 1] = wr[2]
+          p = {delta = 0, expire_at = c, exists = d}
+          incr[a] = p
+          order[#order + 1] = a
         end
-        p.delta = p.delta + wr[3]
+        p.delta = p.delta + b
       elseif kind == 'zadd' then
-        -- In chunks: unpack() has a small stack limit.
+        -- a key, b members, c charge index, d expire_at. In chunks:
+        -- unpack() has a small stack limit.
         local args = {}
-        for j = 1, wr[3] do
+        for j = 1, b do
           args[#args + 1] = now
-          args[#args + 1] = me .. ':' .. call_id .. ':' .. wr[4] .. ':' .. j
-          if #args >= 1000 or j == wr[3] then
-            redis.call('ZADD', wr[2], unpack(args))
+          args[#args + 1] = me .. ':' .. call_id .. ':' .. c .. ':' .. j
+          if #args >= 1000 or j == b then
+            redis.call('ZADD', a, unpack(args))
             args = {}
           end
         end
-        redis.call('PEXPIREAT', wr[2], wr[5])
+        redis.call('PEXPIREAT', a, d)
       elseif kind == 'zpop' then
-        redis.call('ZPOPMAX', wr[2], wr[3])
+        redis.call('ZPOPMAX', a, b)
       elseif kind == 'bucket' then
-        redis.call('HSET', wr[2], 't', string.format('%.17g', wr[3]), 'u', wr[4])
-        redis.call('PEXPIRE', wr[2], wr[5])
-        if wr[7] > 0 then
-          redis.call('HINCRBY', wr[6], me, wr[7])
-          redis.call('PEXPIREAT', wr[6], wr[8])
+        -- a key, b tokens, c updated, d ttl, e window key, f consumed,
+        -- g window expire_at
+        redis.call('HSET', a, 't', string.format('%.17g', b), 'u', c)
+        redis.call('PEXPIRE', a, d)
+        if f > 0 then
+          redis.call('HINCRBY', e, me, f)
+          redis.call('PEXPIREAT', e, g)
         end
       end
     end
   end
 
-  local reply = {1, now, denied and 1 or 0, lost and 1 or 0}
+  local status = 0
+  if denied then status = 1 end
+  if lost then status = status + 2 end
+  out[nout + 1] = status
+  nout = nout + 1
   for i = 1, n do
-    local r = results[i]
-    local remaining = r.rem_after
-    if r.over == 1 then
-      remaining = 0
+    local remaining = r_rem_after[i]
+    if r_over[i] == 1 then
+      remaining = -1
     elseif denied then
-      remaining = r.rem_now
+      remaining = r_rem_now[i]
     end
-    reply[#reply + 1] = r.over
-    reply[#reply + 1] = remaining
-    reply[#reply + 1] = r.reset
-    reply[#reply + 1] = r.own
-    reply[#reply + 1] = r.total
-    reply[#reply + 1] = denied and 0 or r.delta
+    local delta = r_delta[i]
+    if denied then delta = 0 end
+    out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r_reset[i], r_own[i]
+    out[nout + 4], out[nout + 5] = r_total[i], delta
+    nout = nout + 5
   end
-  return reply
+  return nout
 end
 
--- A single request (ARGV as above), or a batch of requests decided one
--- after the other, each all-or-nothing on its own: ARGV[1] "B", ARGV[2] the
--- number of requests, then per request the number of its keys and of its
--- arguments and those arguments; KEYS are the requests' keys in order.
--- A batch's reply is, per request, the length of its reply and the reply.
--- Either way the call's token (the last ARGV) ends the reply.
--- The window increments of a call's admitted requests, one HINCRBY per
--- key: the state the later requests saw already counted them.
-local function flush(shared)
-  for _, key in ipairs(shared.order) do
-    local p = shared.incr[key]
-    if p.delta ~= 0 then
-      redis.call('HINCRBY', key, p.me, p.delta)
-      if not p.exists then redis.call('PEXPIREAT', key, p.expire_at) end
-    end
-  end
-end
-
-local token = tonumber(ARGV[#ARGV])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local shared = {windows = {}, incr = {}, order = {}}
-if ARGV[1] ~= 'B' then
-  local r = decide(KEYS, ARGV, now, shared)
-  flush(shared)
-  r[#r + 1] = token
-  return r
-end
 local out = {}
-local k, a = 1, 3
-for _ = 1, tonumber(ARGV[2]) do
-  local nk, na = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  local keys, args = {}, {}
-  for j = 1, nk do keys[j] = KEYS[k + j - 1] end
-  for j = 1, na do args[j] = ARGV[a + 1 + j] end
-  k = k + nk
-  a = a + 2 + na
-  local r = decide(keys, args, now, shared)
-  out[#out + 1] = #r
-  for _, v in ipairs(r) do out[#out + 1] = v end
+local nout = 0
+local ko, ao = 0, 8
+for _ = 1, tonumber(ARGV[7]) do
+  local s = ARGV[ao]
+  local shape = shapes[s] or shape_of(s)
+  local at = nout + 1
+  nout = decide(ko, ao, shape, out, at)
+  out[at] = nout - at
+  ko = ko + shape.keys
+  ao = ao + 2 + 2 * shape.charges
 end
-flush(shared)
-out[#out + 1] = token
+
+for _, key in ipairs(order) do
+  local p = incr[key]
+  if p.delta ~= 0 then
+    redis.call('HINCRBY', key, me, p.delta)
+    if not p.exists then redis.call('PEXPIREAT', key, p.expire_at) end
+  end
+end
+out[nout + 1] = now
+out[nout + 2] = tonumber(ARGV[#ARGV])
 return out

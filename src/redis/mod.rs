@@ -572,12 +572,11 @@ impl Redis {
     pub async fn decide(
         self: &Arc<Self>,
         slot: u16,
-        keys: Vec<String>,
-        args: Vec<Value>,
+        call: scripts::DecideArgs,
         affinity: u64,
     ) -> Result<Vec<i64>, CallError> {
         let slot = if self.is_cluster() { slot } else { 0 };
-        self.decide_coalesced(slot, keys, args, affinity).await
+        self.decide_coalesced(slot, call, affinity).await
     }
 
     /// (script calls that carried decisions, decisions they carried).

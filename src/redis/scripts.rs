@@ -115,17 +115,34 @@ fn index_list(indices: &[u64]) -> Value {
     Value::from(list.join(","))
 }
 
-/// decide.lua: KEYS[i] the base key of charge i, then on a Cluster the
-/// window keys of every charge ([`declared_windows`]); ARGV 1-5: index, epoch,
-/// never_deny, margin, call id; 6-8: failure-episode token ("" none),
-/// presumed peers and silent members (comma-separated indices); then 11 per
-/// charge: algorithm, limit, unit_ms, burst, hits (clamped to
-/// [`MAX_HITS`]), flags (bit 0 refund, bits 1-2 role, bit 3 demand of the
-/// previous window known, bit 4 take-back in the expected window), expected count,
-/// expected window, presumed fraction per member, may-prove flag, own
-/// local count not replayed yet. The Redis module appends the call's token
-/// (see its docs) and strips it from the reply.
-pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<String>, Vec<Value>) {
+/// One decision call's arguments, as decide.lua takes them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecideArgs {
+    /// The base key of each charge, then on a Cluster the window keys of
+    /// every charge ([`declared_windows`]).
+    pub keys: Vec<String>,
+    /// What the requests of one script call share, sent once per call:
+    /// index, epoch, margin, failure-episode token ("" none), presumed
+    /// peers and silent members (comma-separated indices). Only requests
+    /// with equal headers are batched together.
+    pub header: [Value; 6],
+    /// The request itself: its shape (`<keys>,<charges>,<never_deny>`),
+    /// its call id, then two per charge: `<algorithm>,<limit>,<unit_ms>,
+    /// <burst>,<hits>,<flags>,<expected window>,<fraction>,<pending>` and
+    /// the expected count. hits are clamped to [`MAX_HITS`]; flags: bit 0
+    /// refund, bits 1-2 role, bit 3 demand of the previous window known,
+    /// bit 4 take-back in the expected window, bit 5 may prove itself.
+    /// The requests of a batch mostly repeat these strings, so Redis
+    /// parses each distinct one once per call; the expected count changes
+    /// with every request and goes on its own, as an integer.
+    pub body: Vec<Value>,
+}
+
+/// decide.lua's arguments for one request ([`DecideArgs`]). The batch
+/// module adds the request count and the Redis module the call's token
+/// (see its docs), and strips the token from the reply.
+pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs {
+    use std::fmt::Write as _;
     let mut keys: Vec<String> = batch
         .charges
         .iter()
@@ -142,47 +159,56 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> (Vec<Strin
             declared_windows(&base, c, demand_known, at, &mut keys);
         }
     }
-    // Numbers go as integers: fred writes them straight into the request,
-    // with no string allocated per argument (11 per charge), and Lua reads
-    // every argument as a string either way.
     let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-    let mut args = Vec::with_capacity(8 + 11 * batch.charges.len());
-    args.push(int(call.index));
-    args.push(int(call.epoch));
-    args.push(int(u64::from(batch.never_deny)));
-    args.push(int(call.margin_ms));
-    args.push(Value::from(call.call_id));
     let p = call.presume;
-    args.push(match p.episode {
-        Some(n) if !p.peers.is_empty() => Value::from(format!("{}.{n}", call.boot)),
-        _ => Value::from(""),
-    });
-    args.push(index_list(&p.peers));
-    args.push(index_list(&p.silent));
+    let header = [
+        int(call.index),
+        int(call.epoch),
+        int(call.margin_ms),
+        match p.episode {
+            Some(n) if !p.peers.is_empty() => Value::from(format!("{}.{n}", call.boot)),
+            _ => Value::from(""),
+        },
+        index_list(&p.peers),
+        index_list(&p.silent),
+    ];
+    let mut body = Vec::with_capacity(2 + 2 * batch.charges.len());
+    body.push(Value::from(format!(
+        "{},{},{}",
+        keys.len(),
+        batch.charges.len(),
+        u8::from(batch.never_deny)
+    )));
+    body.push(Value::from(call.call_id));
     for (i, c) in batch.charges.iter().enumerate() {
-        args.push(int(u64::from(algorithm_code(c.spec.algorithm))));
-        args.push(int(u64::from(c.spec.requests_per_unit)));
-        args.push(int(c.spec.unit.millis()));
-        args.push(int(u64::from(c.spec.burst)));
-        args.push(int(c.hits.min(MAX_HITS)));
         let pc = p.charges.get(i).copied().unwrap_or_default();
         let flags = u8::from(c.refund)
             + 2 * role_code(c.role)
             + 8 * u8::from(pc.demand_known)
-            + 16 * u8::from(call.pinned);
-        args.push(int(u64::from(flags)));
+            + 16 * u8::from(call.pinned)
+            + 32 * u8::from(pc.prove);
         let (count, window) = call.expected.get(i).copied().unwrap_or((-1, 0));
-        args.push(Value::Integer(count));
-        args.push(int(window));
-        args.push(if pc.fraction > 0.0 {
-            Value::from(format!("{:.6}", pc.fraction))
+        let mut charge = String::with_capacity(64);
+        // Writing to a String cannot fail.
+        let _ = write!(
+            charge,
+            "{},{},{},{},{},{flags},{window},",
+            algorithm_code(c.spec.algorithm),
+            c.spec.requests_per_unit,
+            c.spec.unit.millis(),
+            c.spec.burst,
+            c.hits.min(MAX_HITS),
+        );
+        if pc.fraction > 0.0 {
+            let _ = write!(charge, "{:.6}", pc.fraction);
         } else {
-            Value::Integer(0)
-        });
-        args.push(int(u64::from(pc.prove)));
-        args.push(Value::Integer(pc.pending));
+            charge.push('0');
+        }
+        let _ = write!(charge, ",{}", pc.pending);
+        body.push(Value::from(charge));
+        body.push(Value::Integer(count));
     }
-    (keys, args)
+    DecideArgs { keys, header, body }
 }
 
 /// A decision reply as the script sent it.
@@ -195,35 +221,41 @@ pub enum DecideReply {
     Fenced,
 }
 
-/// decide.lua's reply: `{status, now_ms, denied, lost}` then 6 per charge:
-/// over, remaining, reset_ms, own, total, delta.
+/// One request's part of decide.lua's reply, with the call's Redis time put
+/// after its status: `{status, now_ms}`, then 5 per charge: remaining (-1
+/// over), reset_ms, own, total, delta. Status -1 fenced, otherwise denied
+/// (1) + 2 × lost.
 pub fn decode_decide(reply: &[i64], charges: usize) -> Result<DecideReply, String> {
     if reply.first() == Some(&-1) {
         return Ok(DecideReply::Fenced);
     }
-    if reply.len() != 4 + 6 * charges {
+    if reply.len() != 2 + 5 * charges {
         return Err(format!(
             "script reply has {} items, expected {}",
             reply.len(),
-            4 + 6 * charges
+            2 + 5 * charges
         ));
     }
-    let items = reply[4..]
-        .chunks_exact(6)
+    let status = reply[0];
+    if !(0..=3).contains(&status) {
+        return Err(format!("script reply has status {status}"));
+    }
+    let items = reply[2..]
+        .chunks_exact(5)
         .map(|r| RawItem {
-            over: r[0] == 1,
-            remaining: r[1].max(0) as u64,
-            reset_ms: r[2].max(0) as u64,
-            own: r[3],
-            total: r[4],
-            delta: r[5],
+            over: r[0] < 0,
+            remaining: r[0].max(0) as u64,
+            reset_ms: r[1].max(0) as u64,
+            own: r[2],
+            total: r[3],
+            delta: r[4],
             at_ms: 0,
         })
         .collect();
     Ok(DecideReply::Decided(RawReply {
         now_ms: reply[1].max(0) as u64,
-        denied: reply[2] == 1,
-        lost: reply[3] == 1,
+        denied: status & 1 == 1,
+        lost: status & 2 == 2,
         items,
     }))
 }
@@ -310,7 +342,7 @@ mod tests {
 
     #[test]
     fn decide_replies_decode_or_say_why_not() {
-        let reply = [1, 5_000, 0, 1, 0, 7, 900, 3, 10, 1];
+        let reply = [2, 5_000, 7, 900, 3, 10, 1];
         let Ok(DecideReply::Decided(r)) = decode_decide(&reply, 1) else {
             panic!("decodes");
         };
@@ -327,7 +359,13 @@ mod tests {
                 at_ms: 0
             }]
         );
-        assert_eq!(decode_decide(&[-1], 3), Ok(DecideReply::Fenced));
+        let Ok(DecideReply::Decided(over)) = decode_decide(&[1, 5_000, -1, 900, 3, 10, 0], 1)
+        else {
+            panic!("decodes");
+        };
+        assert!(over.denied && !over.lost && over.items[0].over && over.items[0].remaining == 0);
+        assert_eq!(decode_decide(&[-1, 5_000], 3), Ok(DecideReply::Fenced));
         assert!(decode_decide(&reply, 2).is_err());
+        assert!(decode_decide(&[4, 5_000], 0).is_err(), "no such status");
     }
 }

@@ -184,7 +184,10 @@ impl RedisCluster {
             .iter()
             .map(|m| {
                 let keys = m.cli(&["--scan", "--pattern", pattern]);
-                (m.port, keys.lines().filter(|l| !l.is_empty()).count())
+                // SCAN may return a key twice (while its table is rehashed).
+                let unique: std::collections::HashSet<&str> =
+                    keys.lines().filter(|l| !l.is_empty()).collect();
+                (m.port, unique.len())
             })
             .collect()
     }

@@ -322,10 +322,11 @@ impl RedisServer {
         window_total_of(&self.cli(&["HGETALL", key]))
     }
 
-    /// Every key (SCAN), sorted.
+    /// Every key (SCAN), sorted, each once (SCAN may return a key twice).
     pub fn keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self.cli(&["--scan"]).lines().map(str::to_owned).collect();
         keys.sort();
+        keys.dedup();
         keys
     }
 

@@ -396,7 +396,9 @@ fn redis_sum(topo: &Topology) -> u64 {
     };
     let keys = cli(&["--scan", "--pattern", "lh:v2{edge|user=demo#1:*}@*"]);
     let mut total = 0i64;
-    for key in keys.lines().filter(|k| !k.is_empty()) {
+    // SCAN may return a key twice: each counted once.
+    let unique: std::collections::BTreeSet<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+    for key in unique {
         let flat = cli(&["HGETALL", key]);
         let lines: Vec<&str> = flat.lines().collect();
         total += leasehold::redis::keys::window_total(lines.chunks_exact(2).map(|p| (p[0], p[1])));
