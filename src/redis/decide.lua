@@ -85,6 +85,23 @@
 local floor, max, min, tonumber, gmatch, byte, sub =
   math.floor, math.max, math.min, tonumber, string.gmatch, string.byte, string.sub
 
+-- Numbers as strings, each made once per call: Lua formats a number with
+-- sprintf whenever it becomes a string (in a key, or as a command's
+-- argument), which costs more than a request's arithmetic.
+local strings = {}
+local function str(n)
+  local s = strings[n]
+  if not s then
+    s = tostring(n)
+    strings[n] = s
+  end
+  return s
+end
+
+-- What a window without holds or proofs shares (never written: a proof
+-- is written to a table of the window's own, see `presumed`).
+local NONE = {}
+
 local t = redis.call('TIME')
 -- Redis's time in ms, read once per call.
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
@@ -144,7 +161,7 @@ local function window_key(base, w)
   end
   local key = per[w]
   if not key then
-    key = base .. '@' .. w
+    key = base .. '@' .. (strings[w] or str(w))
     per[w] = key
   end
   return key
@@ -162,7 +179,7 @@ local function read_window(key)
   -- Every writer sets the hash's expiry when it creates it, to the same
   -- window end plus margin: an existing hash needs it no more.
   local exists = #flat > 0
-  local holds, proofs, x, mine = {}, {}, nil, nil
+  local holds, proofs, x, mine = NONE, NONE, nil, nil
   -- Some replica decided off Redis in this window (it replayed, held, or
   -- announced a failure episode): its totals may be incomplete.
   local troubled = false
@@ -183,9 +200,11 @@ local function read_window(key)
       if f ~= hold_field then
         local v = tonumber(flat[i + 1]) or 0
         held = held + v
+        if holds == NONE then holds = {} end
         holds[sub(f, 2)] = v
       end
     elseif b == 103 then -- 'g': a proof
+      if proofs == NONE then proofs = {} end
       proofs[sub(f, 2)] = flat[i + 1]
     elseif f == 'x' then
       x = flat[i + 1]
@@ -240,7 +259,7 @@ local function undo(all)
     st.tokens, st.updated = st.b_tokens, st.b_updated
     if all and st.meta_mark == serial then
       st.x, st.mine, st.proofs, st.troubled = st.b_x, st.b_mine, st.b_proofs, st.b_troubled
-      st.b_proofs[me] = st.b_proof
+      if st.b_proofs ~= NONE then st.b_proofs[me] = st.b_proof end
     end
   end
 end
@@ -275,6 +294,7 @@ local function presumed(key, cur, fraction, limit, prove, expire_at)
     nmeta = nmeta + 1
     meta[nmeta] = {key, 'x', announce, announced_field, episode, expire_at}
   elseif proving then
+    if cur.proofs == NONE then cur.proofs = {} end
     cur.proofs[me] = cur.x
     nmeta = nmeta + 1
     meta[nmeta] = {key, proof_field, cur.x, nil, nil, expire_at}
@@ -621,8 +641,8 @@ end
 for _, key in ipairs(order) do
   local p = incr[key]
   if p.delta ~= 0 then
-    redis.call('HINCRBY', key, me, p.delta)
-    if not p.exists then redis.call('PEXPIREAT', key, p.expire_at) end
+    redis.call('HINCRBY', key, me, strings[p.delta] or str(p.delta))
+    if not p.exists then redis.call('PEXPIREAT', key, strings[p.expire_at] or str(p.expire_at)) end
   end
 end
 out[nout + 1] = now
