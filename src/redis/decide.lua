@@ -130,18 +130,23 @@ end
 local peers = indices(ARGV[5])
 local silent = indices(ARGV[6])
 
+-- The numbers of a comma-separated string.
+local function numbers_in(s)
+  local p = {}
+  for v in gmatch(s, '[^,]+') do p[#p + 1] = tonumber(v) end
+  return p
+end
+
 -- Parsed request shapes and charges, by their string.
 local shapes, charges = {}, {}
 local function shape_of(s)
-  local p = {}
-  for v in gmatch(s, '[^,]+') do p[#p + 1] = tonumber(v) end
+  local p = numbers_in(s)
   local shape = {keys = p[1], charges = p[2], never_deny = p[3] == 1}
   shapes[s] = shape
   return shape
 end
 local function charge_of(s)
-  local p = {}
-  for v in gmatch(s, '[^,]+') do p[#p + 1] = tonumber(v) end
+  local p = numbers_in(s)
   local flags = p[6]
   local ch = {algo = p[1], limit = p[2], unit = p[3], burst = p[4], hits = p[5],
               refund = flags % 2 == 1, role = (flags % 8 - flags % 2) / 2,
