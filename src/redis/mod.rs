@@ -103,10 +103,10 @@ impl Drop for Redis {
 const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
 
 /// Starts again any pool client whose connection task has ended. fred ends
-/// it for good when an ASK redirection (a Cluster slot being moved) finds
-/// the call with no attempt left, and every call here has one attempt, so
-/// that nothing is ever sent twice: without a restart, every later call on
-/// that client would wait unanswered until its deadline.
+/// it for good when it cannot follow a redirection or read a Cluster's
+/// slot map (it used to on every ASK, when fred still followed them with
+/// no attempt left): without a restart, every later call on that client
+/// would wait unanswered until its deadline.
 fn supervise(
     clients: Vec<Client>,
     mut handles: Vec<fred::types::ConnectHandle>,
@@ -120,7 +120,7 @@ fn supervise(
                 if handle.is_finished() {
                     tracing::warn!(
                         client = client.id(),
-                        "a Redis client stopped (a redirection it could not follow); starting it again"
+                        "a Redis client stopped (a redirection or a slot map it could not follow); starting it again"
                     );
                     restarts.fetch_add(1, Ordering::Relaxed);
                     *handle = client.connect();
@@ -251,6 +251,14 @@ impl Redis {
             };
             // Never resend a script on reconnect: a resent call could count twice.
             c.max_command_attempts = 1;
+            // No Cluster redirection followed by fred: the write after a
+            // MOVED would be a second attempt, failed as if the call might
+            // have run, and a script's declared keys are never all on the
+            // target of an ASK (its base keys are never written), where it
+            // would only get TRYAGAIN. The call comes back refused instead
+            // (after MOVED with the new slot map read) and is sent again
+            // (`eval`). Set here: fred takes a command's 0 for "the default".
+            c.max_redirections = 0;
             // Pipelined calls are small writes: Nagle's algorithm would hold
             // one behind the delayed ACK of the previous (40 ms).
             c.tcp = TcpConfig {
@@ -415,7 +423,11 @@ impl Redis {
     /// Runs a script by SHA, its reply awaited within `deadline`, loading it
     /// on NOSCRIPT. A call that provably never left (no connected client) is
     /// retried for half the configured deadline (or `deadline`, if shorter),
-    /// so a Redis restart shorter than that costs latency, not an error. `affinity` picks the connection (see
+    /// so a Redis restart shorter than that costs latency, not an error.
+    /// A call a Cluster refused because its slot is being moved (MOVED,
+    /// ASK, TRYAGAIN: it did not run) is sent again for up to
+    /// [`MOVING_RETRY`] deadlines: one slot moves in milliseconds, and a
+    /// moving slot is no outage. `affinity` picks the connection (see
     /// [`Redis::decide`]); None takes the next connected one.
     async fn eval(
         &self,
@@ -439,13 +451,32 @@ impl Redis {
         // copies each attempt hands to fred are reference counts, not new
         // strings.
         let keys: Vec<Key> = keys.into_iter().map(Key::from).collect();
+        let moving_within = (self.deadline * MOVING_RETRY).min(deadline);
         let attempt = async {
+            let mut pause = Duration::ZERO;
             loop {
                 match self.eval_once(script, &keys, &args, affinity, &sent).await {
-                    Err(CallError::NotConnected(_)) if started.elapsed() < send_within => {
+                    Err(Attempt::Failed(CallError::NotConnected(_)))
+                        if started.elapsed() < send_within =>
+                    {
                         tokio::time::sleep(Duration::from_millis(5)).await
                     }
-                    other => return other,
+                    Err(Attempt::Moving(_)) if started.elapsed() < moving_within => {
+                        // After MOVED the client has its new map already,
+                        // so the first retry goes at once; ASK and TRYAGAIN
+                        // last until the slot has moved (milliseconds).
+                        tokio::time::sleep(pause).await;
+                        pause =
+                            (pause * 2).clamp(Duration::from_millis(1), Duration::from_millis(8));
+                    }
+                    Err(Attempt::Moving(why)) => {
+                        return Err(CallError::NotConnected(format!(
+                            "{} (slot still moving: {why})",
+                            self.display_url
+                        )))
+                    }
+                    Err(Attempt::Failed(e)) => return Err(e),
+                    Ok(v) => return Ok(v),
                 }
             }
         };
@@ -484,14 +515,14 @@ impl Redis {
         args: &[Value],
         affinity: Option<u64>,
         sent: &AtomicBool,
-    ) -> Result<Value, CallError> {
+    ) -> Result<Value, Attempt> {
         let carrier = self.client(affinity);
         if !carrier.is_connected() {
-            return Err(CallError::NotConnected(format!(
+            return Err(Attempt::Failed(CallError::NotConnected(format!(
                 "{} ({:?})",
                 self.display_url,
                 carrier.state()
-            )));
+            ))));
         }
         let client = carrier.with_options(&Options {
             max_attempts: Some(1),
@@ -531,9 +562,9 @@ impl Redis {
                 Ok(v) => Ok(v),
                 Err(other) => {
                     replace(carrier);
-                    Err(CallError::Reply(format!(
+                    Err(Attempt::Failed(CallError::Reply(format!(
                         "{other:?} is not this call's reply (connection replaced)"
-                    )))
+                    ))))
                 }
             },
             // Written to the socket or not, an I/O failure may have reached Redis.
@@ -544,24 +575,26 @@ impl Redis {
                 ) =>
             {
                 self.node_failed(self.node_of(first_key.as_ref()));
-                Err(CallError::Timeout(self.deadline))
+                Err(Attempt::Failed(CallError::Timeout(self.deadline)))
             }
-            // A Cluster refused to run it (a slot being moved, or no node
-            // serving the slot): provably not applied, so it may be sent
-            // again while the caller still waits.
-            Err(e) if refused_by_cluster(&e) => Err(CallError::NotConnected(format!(
-                "{} ({e})",
-                self.display_url
+            // Its slot is being moved: provably not applied, sent again.
+            Err(e) if moving_slot(&e) => {
+                sent.store(false, Ordering::SeqCst);
+                Err(Attempt::Moving(e.to_string()))
+            }
+            // No node serves the slot (a failover): provably not applied,
+            // so it may be sent again while the caller still waits.
+            Err(e) if refused_by_cluster(&e) => Err(Attempt::Failed(CallError::NotConnected(
+                format!("{} ({e})", self.display_url),
             ))),
             Err(e) => {
                 self.node_failed(self.node_of(first_key.as_ref()));
-                Err(CallError::Redis(e.to_string()))
+                Err(Attempt::Failed(CallError::Redis(e.to_string())))
             }
         }
     }
 
-    /// Runs the decision script. The reply is the script's flat integer array.
-    /// Runs the decision script. Calls with the same `affinity` (the
+    /// Runs the decision script; the reply is its flat integer array. Calls with the same `affinity` (the
     /// caller passes a hash of the first counter key) share a connection, so
     /// Redis runs them in the order they were sent: a refund sent after a
     /// charge cannot run before it and make it see its own field lowered.
@@ -633,14 +666,36 @@ fn strip_token(value: Value, token: u64) -> Result<Value, Value> {
     }
 }
 
-/// A Cluster's refusal to run a command, which means it did not run:
-/// TRYAGAIN (some of its keys have moved with a slot being migrated) or
-/// CLUSTERDOWN (no node serves the slot, e.g. during a failover).
+/// How one attempt of a call ended, when it did not succeed.
+enum Attempt {
+    /// The call failed as `CallError` says.
+    Failed(CallError),
+    /// Its slot is being moved: it did not run.
+    Moving(String),
+}
+
+/// How many configured deadlines a call refused for a moving slot is sent
+/// again for.
+const MOVING_RETRY: u32 = 10;
+
+/// A Cluster's refusal to run a command because its slot is being moved,
+/// which means it did not run: a redirection not followed (MOVED: the slot
+/// has moved, and fred has read the new map; ASK: it is moving) or
+/// TRYAGAIN (some of its keys have moved already).
+fn moving_slot(e: &fred::error::Error) -> bool {
+    (*e.kind() == ErrorKind::Routing && e.details().starts_with("Too many redirections"))
+        || has_code(e, "TRYAGAIN")
+}
+
+/// A Cluster's refusal to run a command for want of a node, which means it
+/// did not run: CLUSTERDOWN (no node serves the slot, e.g. during a
+/// failover).
 fn refused_by_cluster(e: &fred::error::Error) -> bool {
-    let text = e.to_string();
-    ["TRYAGAIN", "CLUSTERDOWN"]
-        .iter()
-        .any(|code| e.details().starts_with(code) || text.contains(code))
+    has_code(e, "CLUSTERDOWN")
+}
+
+fn has_code(e: &fred::error::Error, code: &str) -> bool {
+    e.details().starts_with(code) || e.to_string().contains(code)
 }
 
 /// Whether a PING's reply is its own message.
