@@ -7,14 +7,17 @@
 //! A script call carries what its requests share (the replica's index,
 //! epoch, failure episode and presumed members) once, so only calls with
 //! the same header go together; on a Redis Cluster a script call must also
-//! keep to one slot. A batch takes the queue's first call and the later
-//! ones with its slot and header, and leaves the others, in their order,
-//! for the next batch. The calls bound for one node are pipelined on its
-//! connection either way.
+//! keep to one slot. A connection has at most one batch in flight per
+//! slot: a slot's calls queue while its batch is out and leave together
+//! when it is answered (its first queued call and the later ones with its
+//! header); the others stay queued, in their order. Batches for different
+//! slots are pipelined on the connection and never wait for each other, so
+//! a slot that is slow (say being moved to another node) holds up only its
+//! own calls.
 //!
 //! What stays true per request: the order of calls for one key (they share
-//! a connection and its queue is first in, first out, with one call in
-//! flight at a time), the epoch fence (each request carries its own), and
+//! a connection and its queue is first in, first out, with one batch per
+//! slot in flight at a time), the epoch fence (each request carries its own), and
 //! what a failure means: a batch that fails or times out fails each of its
 //! requests the same way, so each is handled as if it had been sent alone
 //! (possibly applied, fenced out by the next rewrite, repaired).
@@ -43,20 +46,31 @@ struct Queued {
 #[derive(Default)]
 struct State {
     queue: Vec<Queued>,
-    /// A sender task is running for this connection.
-    sending: bool,
+    /// The slots with a batch in flight on this connection.
+    busy: Vec<u16>,
+}
+
+impl State {
+    /// The batches that can leave now (one per slot not in flight), their
+    /// slots marked in flight.
+    fn take_ready(&mut self) -> Vec<Vec<Queued>> {
+        let ready = take_batches(&mut self.queue, &self.busy);
+        self.busy
+            .extend(ready.iter().filter_map(|b| b.first()).map(|q| q.slot));
+        ready
+    }
 }
 
 /// One queue per connection of the pool.
 #[derive(Default)]
 pub(super) struct Queues {
-    slots: Vec<Mutex<State>>,
+    conns: Vec<Mutex<State>>,
 }
 
 impl Queues {
     pub fn new(connections: usize) -> Self {
         Queues {
-            slots: (0..connections.max(1))
+            conns: (0..connections.max(1))
                 .map(|_| Mutex::new(State::default()))
                 .collect(),
         }
@@ -73,117 +87,143 @@ impl Redis {
         call: DecideArgs,
         affinity: u64,
     ) -> Reply {
-        let slot = (affinity % self.queues.slots.len() as u64) as usize;
+        let conn = (affinity % self.queues.conns.len() as u64) as usize;
         let (tx, rx) = oneshot::channel();
-        let start = {
-            let mut s = self.queues.slots[slot].lock();
+        let ready = {
+            let mut s = self.queues.conns[conn].lock();
             s.queue.push(Queued {
                 slot: slot_of_keys,
                 call,
                 reply: tx,
             });
-            !std::mem::replace(&mut s.sending, true)
+            s.take_ready()
         };
-        if start {
-            let redis = self.clone();
-            tokio::spawn(async move { redis.send_queued(slot).await });
-        }
+        self.start(conn, ready);
         // The sender always answers; a dropped sender means the runtime
         // is shutting down, and the call may have left.
         rx.await
             .unwrap_or(Err(CallError::Timeout(self.reply_timeout)))
     }
 
-    /// Sends what is queued for `slot`, a batch at a time, until the
-    /// queue is empty.
-    async fn send_queued(&self, slot: usize) {
+    fn start(self: &Arc<Self>, conn: usize, batches: Vec<Vec<Queued>>) {
+        for batch in batches {
+            let redis = self.clone();
+            tokio::spawn(async move { redis.run(conn, batch).await });
+        }
+    }
+
+    /// Sends `batch`, then, while its slot's calls keep coming, the next
+    /// batch of that slot (or another ready one), until none is ready.
+    async fn run(self: Arc<Self>, conn: usize, mut batch: Vec<Queued>) {
         loop {
-            let batch: Vec<Queued> = {
-                let mut s = self.queues.slots[slot].lock();
-                if s.queue.is_empty() {
-                    s.sending = false;
-                    return;
-                }
-                take_batch(&mut s.queue)
+            let slot = batch.first().map(|q| q.slot);
+            self.send_batch(conn, batch).await;
+            let mut ready = {
+                let mut s = self.queues.conns[conn].lock();
+                s.busy.retain(|b| Some(*b) != slot);
+                s.take_ready()
             };
-            self.batches
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.batched
-                .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            let mut keys = Vec::with_capacity(batch.iter().map(|q| q.call.keys.len()).sum());
-            let mut args =
-                Vec::with_capacity(7 + batch.iter().map(|q| q.call.body.len()).sum::<usize>());
-            let mut replies = Vec::with_capacity(batch.len());
-            let count = batch.len();
-            for (i, q) in batch.into_iter().enumerate() {
-                let Queued { call, reply, .. } = q;
-                if i == 0 {
-                    args.extend(call.header);
-                    args.push(Value::Integer(count as i64));
-                }
-                keys.extend(call.keys);
-                args.extend(call.body);
-                replies.push(reply);
+            let Some(next) = ready.pop() else {
+                return;
+            };
+            self.start(conn, ready);
+            batch = next;
+        }
+    }
+
+    /// One batch as one script call; every request of it hears the result.
+    async fn send_batch(&self, conn: usize, batch: Vec<Queued>) {
+        self.batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.batched
+            .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut keys = Vec::with_capacity(batch.iter().map(|q| q.call.keys.len()).sum());
+        let mut args =
+            Vec::with_capacity(7 + batch.iter().map(|q| q.call.body.len()).sum::<usize>());
+        let mut replies = Vec::with_capacity(batch.len());
+        let count = batch.len();
+        for (i, q) in batch.into_iter().enumerate() {
+            let Queued { call, reply, .. } = q;
+            if i == 0 {
+                args.extend(call.header);
+                args.push(Value::Integer(count as i64));
             }
-            let result = self
-                .eval(
-                    &self.decide,
-                    keys,
-                    args,
-                    self.reply_timeout,
-                    Some(slot as u64),
-                )
-                .await
-                .and_then(integers);
-            match result.and_then(|flat| split(&flat, replies.len())) {
-                Ok(parts) => {
-                    for (tx, part) in replies.into_iter().zip(parts) {
-                        let _ = tx.send(Ok(part));
-                    }
+            keys.extend(call.keys);
+            args.extend(call.body);
+            replies.push(reply);
+        }
+        let result = self
+            .eval(
+                &self.decide,
+                keys,
+                args,
+                self.reply_timeout,
+                Some(conn as u64),
+            )
+            .await
+            .and_then(integers);
+        match result.and_then(|flat| split(&flat, replies.len())) {
+            Ok(parts) => {
+                for (tx, part) in replies.into_iter().zip(parts) {
+                    let _ = tx.send(Ok(part));
                 }
-                Err(e) => {
-                    for tx in replies {
-                        let _ = tx.send(Err(e.clone()));
-                    }
+            }
+            Err(e) => {
+                for tx in replies {
+                    let _ = tx.send(Err(e.clone()));
                 }
             }
         }
     }
 }
 
-/// The next batch: the first call queued and up to [`MAX_BATCH`] − 1 later
-/// ones with its slot and header, in order; the rest stay queued in order.
-/// Calls for one slot never pass each other: the batch stops taking calls
-/// of its slot at the first one with another header (say a refund made
-/// after the epoch was raised), which would otherwise run after the calls
-/// queued behind it, a refund before the charge it reverses.
-fn take_batch(queue: &mut Vec<Queued>) -> Vec<Queued> {
+/// The batches that can leave now: for each slot not in `busy` (in the
+/// order of their first call), its first call queued and up to
+/// [`MAX_BATCH`] − 1 later ones with its header, in order; the rest stay
+/// queued in order. Calls for one slot never pass each other: a slot with
+/// a batch in flight sends nothing more until it is answered, and a
+/// slot's batch stops at the first of its calls with another header (say
+/// a refund made after the epoch was raised), which would otherwise run
+/// after the calls queued behind it, a refund before the charge it
+/// reverses.
+fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
     let Some(first) = queue.first() else {
         return Vec::new();
     };
-    let (slot, header) = (first.slot, first.call.header.clone());
-    if queue
-        .iter()
-        .all(|q| q.slot == slot && q.call.header == header)
+    let (slot, header) = (first.slot, &first.call.header);
+    if busy.is_empty()
+        && queue
+            .iter()
+            .all(|q| q.slot == slot && q.call.header == *header)
     {
         let n = queue.len().min(MAX_BATCH);
-        return queue.drain(..n).collect();
+        return vec![queue.drain(..n).collect()];
     }
-    let mut batch = Vec::new();
+    // Per slot seen: its batch's index, or None once it can take no more.
+    let mut open: Vec<(u16, Option<usize>)> = busy.iter().map(|&s| (s, None)).collect();
+    let mut ready: Vec<Vec<Queued>> = Vec::new();
     let mut rest = Vec::with_capacity(queue.len());
-    let mut blocked = false;
     for q in queue.drain(..) {
-        if q.slot != slot {
-            rest.push(q);
-        } else if !blocked && q.call.header == header && batch.len() < MAX_BATCH {
-            batch.push(q);
-        } else {
-            blocked = true;
-            rest.push(q);
+        match open.iter_mut().find(|(s, _)| *s == q.slot) {
+            None => {
+                open.push((q.slot, Some(ready.len())));
+                ready.push(vec![q]);
+            }
+            Some((_, at)) => match *at {
+                Some(i)
+                    if ready[i].len() < MAX_BATCH && ready[i][0].call.header == q.call.header =>
+                {
+                    ready[i].push(q)
+                }
+                _ => {
+                    *at = None;
+                    rest.push(q);
+                }
+            },
         }
     }
     *queue = rest;
-    batch
+    ready
 }
 
 /// A batch reply, `{len, reply...}` per request then the call's Redis
@@ -276,17 +316,39 @@ mod tests {
             .collect()
     }
 
+    fn orders(round: &[Vec<Queued>]) -> Vec<Vec<i64>> {
+        round.iter().map(|b| order(b)).collect()
+    }
+
     #[test]
-    fn a_batch_keeps_to_the_slot_of_its_first_call() {
+    fn one_batch_per_slot_leaves_and_none_for_a_slot_in_flight() {
         let call = |slot: u16, n: i64| queued(slot, 1, n);
         let mut queue = vec![call(7, 1), call(9, 2), call(7, 3), call(9, 4), call(7, 5)];
-        assert_eq!(order(&take_batch(&mut queue)), [1, 3, 5]);
-        assert_eq!(order(&queue), [2, 4]);
-        assert_eq!(order(&take_batch(&mut queue)), [2, 4]);
-        assert!(queue.is_empty() && take_batch(&mut queue).is_empty());
+        let ready = take_batches(&mut queue, &[]);
+        assert_eq!(orders(&ready), [vec![1, 3, 5], vec![2, 4]]);
+        assert!(queue.is_empty() && take_batches(&mut queue, &[]).is_empty());
         let mut many: Vec<Queued> = (0..40).map(|n| call(1, n)).collect();
-        assert_eq!(take_batch(&mut many).len(), MAX_BATCH);
+        let ready = take_batches(&mut many, &[]);
+        assert_eq!((ready.len(), ready[0].len()), (1, MAX_BATCH));
         assert_eq!(many.len(), 40 - MAX_BATCH);
+        // A full batch closes its slot: the calls after it wait, in order.
+        let mut mixed: Vec<Queued> = (0..MAX_BATCH as i64 + 1).map(|n| call(1, n)).collect();
+        mixed.push(call(2, 100));
+        mixed.push(call(1, 101));
+        let ready = take_batches(&mut mixed, &[]);
+        assert_eq!(orders(&ready)[1], [100]);
+        assert_eq!(order(&mixed), [MAX_BATCH as i64, 101]);
+        // A slot with a batch in flight sends nothing; the others go.
+        let mut queue = vec![call(7, 1), call(9, 2), call(7, 3)];
+        assert_eq!(orders(&take_batches(&mut queue, &[7])), [vec![2]]);
+        assert_eq!(order(&queue), [1, 3]);
+        assert!(take_batches(&mut queue, &[7, 9]).is_empty());
+        let mut state = State {
+            queue,
+            busy: vec![9],
+        };
+        assert_eq!(orders(&state.take_ready()), [vec![1, 3]]);
+        assert_eq!(state.busy, [9, 7]);
     }
 
     #[test]
@@ -294,8 +356,7 @@ mod tests {
         // A request made after the epoch was raised is fenced by the new
         // epoch, so it cannot ride with one that carries the old; and
         // calls for one slot keep their order, so a call with another
-        // header ends the batch's run of its slot (calls of other slots
-        // may still join).
+        // header ends its slot's batch (other slots' calls still go).
         let mut queue = vec![
             queued(1, 1, 1),
             queued(1, 1, 2),
@@ -303,11 +364,13 @@ mod tests {
             queued(1, 1, 4),
             queued(5, 1, 5),
         ];
-        assert_eq!(order(&take_batch(&mut queue)), [1, 2]);
-        assert_eq!(order(&queue), [3, 4, 5]);
-        assert_eq!(order(&take_batch(&mut queue)), [3]);
-        assert_eq!(order(&take_batch(&mut queue)), [4]);
-        assert_eq!(order(&take_batch(&mut queue)), [5]);
+        assert_eq!(
+            orders(&take_batches(&mut queue, &[])),
+            [vec![1, 2], vec![5]]
+        );
+        assert_eq!(order(&queue), [3, 4]);
+        assert_eq!(orders(&take_batches(&mut queue, &[])), [vec![3]]);
+        assert_eq!(orders(&take_batches(&mut queue, &[])), [vec![4]]);
         assert!(queue.is_empty());
     }
 }

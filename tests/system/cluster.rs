@@ -311,14 +311,13 @@ fn owner_of(cluster: &RedisCluster, slot: u16) -> Option<String> {
 /// counter is not on the old owner yet, so a call for it is answered ASK
 /// (and would get TRYAGAIN on the target). The call is refused, not run:
 /// it is sent again for a bounded time and answered within the budget, no
-/// client is stopped, nothing else counts as a Redis failure, and every
-/// call for the other counters is answered meanwhile (those that share
-/// the moving call's connection wait behind it, up to ten deadlines, and
-/// may be denied unanswered; none is decided on a lease). Once the slot
-/// is stable again every counter is decided on Redis (with a 250 ms
-/// budget, so that every answered one is decided there).
+/// client is stopped, nothing else counts as a Redis failure, and calls
+/// for every other counter go on being decided on Redis meanwhile, each
+/// answered (a slot's calls wait only for their own slot), with a 250 ms
+/// budget so that every one is decided there. Once the slot is stable
+/// again its counter is decided on Redis too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slot_left_moving_costs_no_failure_and_no_lease() {
+async fn a_slot_left_moving_holds_up_only_its_own_calls() {
     let dir = test_dir("cluster-ask");
     let cluster = tokio::task::block_in_place(|| RedisCluster::start(&dir, 3, 0, 2_000));
     let url = cluster.url();
@@ -386,10 +385,9 @@ async fn a_slot_left_moving_costs_no_failure_and_no_lease() {
         "within its budget: {moving_took:?}"
     );
     assert!(others.errors.is_empty(), "{:?}", others.errors);
-    assert_eq!(
-        delta(&before, &during, "redis") + delta(&before, &during, "unanswered_denials"),
-        257,
-        "every call decided on Redis or denied unanswered while the slot was moving: {report}"
+    assert!(
+        delta(&before, &during, "redis") >= 256,
+        "every other counter decided on Redis while the slot was moving: {report}"
     );
     assert_eq!(
         delta(&before, &during, "local"),

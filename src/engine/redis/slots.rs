@@ -13,8 +13,10 @@
 //!   landed in, on the same connection as the call that made it (so Redis
 //!   runs it after), and the request is denied with nothing charged;
 //! - when a call fails, what the others changed is taken back the same way
-//!   and the failure is reported as it came (a call that may have run is
-//!   repaired like any other, see the resilient engine's ledger); when a
+//!   and the failure is reported, one that may have run before one that
+//!   provably did not (a call that may have run is repaired like any
+//!   other, see the resilient engine's ledger, and a part still in flight
+//!   when another could not be sent may have run); when a
 //!   take-back itself fails, the request reports a call that may have run,
 //!   so its keys are repaired to what this replica knows it was granted.
 //!
@@ -119,6 +121,16 @@ fn exact_take_back(a: Algorithm) -> bool {
     matches!(a, Algorithm::FixedWindow | Algorithm::SlidingWindow)
 }
 
+/// What a request whose parts failed reports: a failure that may have run
+/// before one that provably did not, so that a part still in flight when
+/// another could not even be sent (its node's client reconnecting) is
+/// repaired, not taken for nothing charged.
+fn failure_of(replies: &[Result<RawReply, CallError>]) -> Option<CallError> {
+    let mut errors = replies.iter().filter_map(|r| r.as_ref().err());
+    let first = errors.clone().next();
+    errors.find(|e| e.maybe_applied()).or(first).cloned()
+}
+
 impl RedisEngine {
     /// Decides a request whose charges are in several slots (`groups`,
     /// from [`slot_groups`]); see the module docs.
@@ -140,7 +152,7 @@ impl RedisEngine {
                 .map(|p| self.decide_in_slot(&p.batch, index, &p.expected, &p.presume, false)),
         )
         .await;
-        let failed = replies.iter().find_map(|r| r.as_ref().err().cloned());
+        let failed = failure_of(&replies);
         let mut merged = RawReply {
             now_ms: u64::MAX,
             denied: false,
@@ -241,6 +253,33 @@ mod tests {
             hits: 1,
             refund: false,
             role: Role::Enforce,
+        }
+    }
+
+    #[test]
+    fn a_part_that_may_have_run_decides_what_a_failed_request_reports() {
+        let ok = || {
+            Ok(RawReply {
+                now_ms: 1,
+                denied: false,
+                lost: false,
+                items: Vec::new(),
+            })
+        };
+        let refused = || Err(CallError::NotConnected("reconnecting".into()));
+        let timed_out = || Err(CallError::Timeout(std::time::Duration::from_millis(5)));
+        assert!(failure_of(&[ok(), ok()]).is_none());
+        let e = failure_of(&[refused(), ok()]);
+        assert!(
+            e.is_some_and(|e| !e.maybe_applied()),
+            "only a part not sent"
+        );
+        for replies in [[refused(), timed_out()], [timed_out(), refused()]] {
+            let e = failure_of(&replies);
+            assert!(
+                e.is_some_and(|e| e.maybe_applied()),
+                "a part in flight may have run, whatever the order"
+            );
         }
     }
 
