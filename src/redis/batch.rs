@@ -190,6 +190,11 @@ fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
     let Some(first) = queue.first() else {
         return Vec::new();
     };
+    // The common case under load on one Redis: every queued call waits
+    // for a batch in flight (nothing moves, nothing is allocated).
+    if queue.iter().all(|q| busy.contains(&q.slot)) {
+        return Vec::new();
+    }
     let (slot, header) = (first.slot, &first.call.header);
     if busy.is_empty()
         && queue
