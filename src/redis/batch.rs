@@ -17,10 +17,10 @@
 //!
 //! What stays true per request: the order of calls for one key (they share
 //! a connection and its queue is first in, first out, with one batch per
-//! slot in flight at a time), the epoch fence (each request carries its own), and
-//! what a failure means: a batch that fails or times out fails each of its
-//! requests the same way, so each is handled as if it had been sent alone
-//! (possibly applied, fenced out by the next rewrite, repaired).
+//! slot in flight at a time), the epoch fence (each request carries its
+//! own), and what a failure means: a batch that fails or times out fails
+//! each of its requests the same way, so each is handled as if it had been
+//! sent alone (possibly applied, fenced out by the next rewrite, repaired).
 
 use std::sync::Arc;
 
