@@ -11,6 +11,7 @@
 //!   building the engine, serving, background loops, the shutdown order and
 //!   signal handling.
 //! - [`settings`], [`telemetry`]: typed settings; logs and OTLP traces.
+//!   [`tasks`]: the runtime work spawned on a request's path runs on.
 //! - `grpc`, `http`: the transports (RLS, health, reflection; health,
 //!   `/json`, `/metrics`, admin pages), glue only. `metrics` renders for
 //!   them.
@@ -62,6 +63,8 @@ pub mod rls;
 pub mod rules;
 #[cfg(feature = "server")]
 pub mod settings;
+#[cfg(feature = "server")]
+pub mod tasks;
 #[cfg(feature = "server")]
 pub mod telemetry;
 

@@ -8,6 +8,14 @@ use clap::Parser;
 use leasehold::cli::{self, Cli, Command};
 use tokio::net::TcpListener;
 
+/// A unary call allocates and frees dozens of small buffers (HTTP/2
+/// frames, protobuf messages, Redis replies) across threads; glibc's
+/// allocator spent about a tenth of a Redis-path call's CPU on them
+/// (`perf`). With jemalloc the call took 27 µs of CPU instead of 31–33,
+/// for about 8% more peak RSS (mimalloc: 28 µs, 20–60% more RSS).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -57,6 +57,9 @@ pub struct Settings {
     /// reading) does not hold its connection forever.
     pub grpc_keepalive_interval_ms: u64,
     pub grpc_keepalive_timeout_ms: u64,
+    /// Threads serving gRPC connections, each connection served by one of
+    /// them from start to end; 0: one per CPU the process may use.
+    pub grpc_threads: usize,
     /// TLS on the gRPC port: certificate chain (PEM). With `grpc_tls_key`.
     /// The files are checked every second and reloaded when they change.
     pub grpc_tls_cert: Option<PathBuf>,
@@ -199,6 +202,7 @@ impl Default for Settings {
             grpc_max_concurrent_streams: 1024,
             grpc_keepalive_interval_ms: 30_000,
             grpc_keepalive_timeout_ms: 10_000,
+            grpc_threads: 0,
             grpc_tls_cert: None,
             grpc_tls_key: None,
             grpc_tls_client_ca: None,

@@ -1,8 +1,9 @@
 //! The listeners: gRPC (RLS, grpc.health.v1, reflection v1 and v1alpha) and
 //! HTTP (public endpoints on the main listener, the admin pages on their
 //! own, both bounded by [`crate::http::listener`]), every accepted socket
-//! with TCP_NODELAY, each server a task that stops accepting on the stop
-//! signal and then drains.
+//! with TCP_NODELAY, each server stopping to accept on the stop signal and
+//! then draining. gRPC is served on threads of its own
+//! ([`crate::grpc::threads`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,6 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::server::TcpIncoming;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
@@ -22,7 +22,8 @@ use crate::settings::Settings;
 
 /// The running servers.
 pub(super) struct Servers {
-    pub grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// Ends when every gRPC serving thread has drained.
+    pub grpc: JoinHandle<anyhow::Result<()>>,
     pub http: JoinHandle<std::io::Result<()>>,
     pub admin: JoinHandle<std::io::Result<()>>,
     /// grpc.health.v1 statuses, flipped to NOT_SERVING first on shutdown.
@@ -92,18 +93,21 @@ pub(super) async fn start(
             rls.into_server()
                 .max_decoding_message_size(settings.max_request_bytes),
         );
-    let grpc =
-        match listeners.grpc_tls {
-            Some(tls) => {
-                tracing::info!(mutual = tls.requires_client_certs(), "gRPC over TLS");
-                let incoming = crate::grpc::tls::incoming(listeners.grpc, tls, stop.clone());
-                tokio::spawn(grpc.serve_with_incoming_shutdown(incoming, stopped(stop.clone())))
-            }
-            None => tokio::spawn(grpc.serve_with_incoming_shutdown(
-                accept_nodelay(listeners.grpc),
-                stopped(stop.clone()),
-            )),
-        };
+    let threads = match settings.grpc_threads {
+        0 => crate::grpc::threads::default_threads(),
+        n => n,
+    };
+    if let Some(tls) = &listeners.grpc_tls {
+        tracing::info!(mutual = tls.requires_client_certs(), "gRPC over TLS");
+    }
+    let grpc = crate::grpc::threads::serve(
+        listeners.grpc,
+        threads,
+        listeners.grpc_tls,
+        grpc,
+        stop.clone(),
+    )
+    .context("starting the gRPC serving threads")?;
 
     // The pages that show descriptor values live on the admin listener
     // only; the main listener keeps health, metrics and /json.
@@ -129,21 +133,4 @@ pub(super) async fn start(
         admin: tokio::spawn(admin),
         health,
     })
-}
-
-/// Accepted gRPC connections with TCP_NODELAY. A response leaves as several
-/// small writes (headers, data, trailers); with Nagle's algorithm the last
-/// one waits for the client's delayed ACK, 40 ms on Linux, which is longer
-/// than Envoy's default RLS timeout. Serving a bound listener bypasses
-/// tonic's own default, so it is set here.
-/// TCP keepalive finds peers that vanished without a FIN (a crashed host, a
-/// dropped NAT entry) on connections no HTTP/2 ping is sent on.
-fn accept_nodelay(listener: TcpListener) -> TcpIncoming {
-    TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(60)))
-}
-
-pub(super) async fn stopped(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|s| *s).await;
 }

@@ -10,6 +10,7 @@
 //! resilient engine decides locally instead of failing, so in normal
 //! operation no Redis fault reaches this layer.
 
+pub mod threads;
 pub mod tls;
 
 use std::sync::Arc;

@@ -1,22 +1,24 @@
 //! TLS and mutual TLS on the gRPC port: the PEM files (`grpc_tls_cert`,
 //! `grpc_tls_key`, and `grpc_tls_client_ca` to require and verify client
 //! certificates), reloaded when they change without a restart, and the
-//! stream of accepted connections tonic serves. Accepted sockets get
-//! TCP_NODELAY and TCP keepalive here, as on the plaintext path (a custom
-//! acceptor is where such options get lost). Handshakes run in their own
-//! tasks with a timeout, so a client that stalls one holds no one else up.
+//! stream of connections a serving thread hands tonic (their sockets got
+//! TCP_NODELAY and keepalive when accepted, see [`super::threads`]).
+//! Handshakes run in their own tasks with a timeout, so a client that
+//! stalls one holds no one else up.
 
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use futures::{Stream, StreamExt as _};
 use parking_lot::Mutex;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use sha2::{Digest as _, Sha256};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
@@ -163,35 +165,40 @@ impl Reloading {
     }
 }
 
-/// TLS connections accepted on `listener` until `stop`: each socket with
-/// TCP_NODELAY (see the plaintext path) and keepalive, each handshake in
-/// its own task under [`HANDSHAKE_TIMEOUT`].
+/// The bound on handshakes in progress at once, shared by the serving
+/// threads: past [`MAX_HANDSHAKES`] a new connection is closed.
+#[derive(Clone)]
+pub struct Handshakes(Arc<Semaphore>);
+
+impl Handshakes {
+    pub fn new() -> Self {
+        Handshakes(Arc::new(Semaphore::new(MAX_HANDSHAKES)))
+    }
+}
+
+/// The TLS connections made of `conns` (accepted sockets, their options
+/// already set) until `stop`, each handshake in its own task under
+/// [`HANDSHAKE_TIMEOUT`].
 pub fn incoming(
-    listener: TcpListener,
+    mut conns: Pin<Box<dyn Stream<Item = TcpStream> + Send>>,
     tls: Arc<Reloading>,
+    handshakes: Handshakes,
     mut stop: watch::Receiver<bool>,
 ) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
     let (tx, rx) = mpsc::channel(64);
-    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     tokio::spawn(async move {
         loop {
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
+            let stream = tokio::select! {
+                s = conns.next() => match s {
+                    Some(s) => s,
+                    None => return,
+                },
                 _ = stop.wait_for(|s| *s) => return,
             };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::debug!(error = %e, "gRPC accept failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+            let Ok(permit) = handshakes.0.clone().try_acquire_owned() else {
                 tracing::debug!("too many TLS handshakes in progress; closing a new connection");
                 continue;
             };
-            super::socket_options(&stream);
             let acceptor = tls.acceptor.load_full();
             let tx = tx.clone();
             tokio::spawn(async move {

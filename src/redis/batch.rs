@@ -108,7 +108,7 @@ impl Redis {
     fn start(self: &Arc<Self>, conn: usize, batches: Vec<Vec<Queued>>) {
         for batch in batches {
             let redis = self.clone();
-            tokio::spawn(async move { redis.run(conn, batch).await });
+            self.home.spawn(async move { redis.run(conn, batch).await });
         }
     }
 

@@ -67,6 +67,8 @@ impl Script {
 /// A pool of pipelined connections to one Redis.
 pub struct Redis {
     pool: Pool,
+    /// Where batches and reconnections run (see [`crate::tasks`]).
+    home: crate::tasks::Home,
     config: Config,
     deadline: Duration,
     reply_timeout: Duration,
@@ -288,6 +290,7 @@ impl Redis {
             lock: Script::new(migrate::LOCK_LUA),
             tokens: AtomicU64::new(1),
             queues: batch::Queues::new(cfg.pool_size),
+            home: crate::tasks::Home::here(),
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
             display_url: redact_url(&cfg.url),
@@ -313,11 +316,11 @@ impl Redis {
         let result = match self.ping_on(carrier, timeout).await {
             Ok(()) => return Ok(()),
             Err(CallError::Timeout(_)) => {
-                replace(carrier);
+                replace(&self.home, carrier);
                 format!("no answer within {timeout:?}")
             }
             Err(e @ CallError::Reply(_)) => {
-                replace(carrier);
+                replace(&self.home, carrier);
                 format!("{e} (connection replaced)")
             }
             Err(e) => e.to_string(),
@@ -561,7 +564,7 @@ impl Redis {
             Ok(v) => match strip_token(v, token) {
                 Ok(v) => Ok(v),
                 Err(other) => {
-                    replace(carrier);
+                    replace(&self.home, carrier);
                     Err(Attempt::Failed(CallError::Reply(format!(
                         "{other:?} is not this call's reply (connection replaced)"
                     ))))
@@ -706,9 +709,9 @@ fn echoes(reply: &Value, token: &str) -> bool {
 /// Takes a connection out of service: closed and replaced in the
 /// background, its calls in flight failed (and counted as possibly applied
 /// by their callers).
-fn replace(client: &Client) {
+fn replace(home: &crate::tasks::Home, client: &Client) {
     let client = client.clone();
-    tokio::spawn(async move {
+    home.spawn(async move {
         if let Err(e) = client.force_reconnection().await {
             tracing::debug!(error = %e, "replacing a Redis connection");
         }

@@ -185,8 +185,9 @@ impl ResilientEngine {
             sent_ms: now,
             armed: true,
         };
-        let mut call =
-            tokio::spawn(async move { backend.decide(&owned, &expected, &presume).await });
+        let mut call = self
+            .home
+            .spawn(async move { backend.decide(&owned, &expected, &presume).await });
         let joined = match tokio::time::timeout(Duration::from_millis(budget), &mut call).await {
             Ok(joined) => joined,
             Err(_) => {
@@ -274,7 +275,7 @@ impl ResilientEngine {
     ) {
         let queue = self.late.clone();
         queue.pending.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(async move {
+        self.home.spawn(async move {
             let result = call
                 .await
                 .unwrap_or_else(|e| Err(CallError::Reply(format!("call task: {e}"))));

@@ -141,6 +141,8 @@ pub struct ResilientEngine {
     unanswered_since_ms: AtomicU64,
     /// Calls past their budget, answered or failed since.
     late: Arc<call::LateQueue>,
+    /// Where calls and their late ends run (see [`crate::tasks`]).
+    home: crate::tasks::Home,
     /// When this replica last had trouble with Redis (local ms; 0 never),
     /// and the failure episode it belongs to (see [`presume`]).
     last_trouble_ms: AtomicU64,
@@ -183,6 +185,7 @@ impl ResilientEngine {
             redis_call_seconds: OnceLock::new(),
             unanswered_since_ms: AtomicU64::new(0),
             late: Arc::new(call::LateQueue::default()),
+            home: crate::tasks::Home::here(),
             last_trouble_ms: AtomicU64::new(0),
             episode: AtomicU64::new(0),
             presence: RwLock::new(presume::Presence::default()),

@@ -1,0 +1,156 @@
+//! The gRPC serving threads: one accept loop hands each new connection, in
+//! turn, to one of `grpc_threads` threads, and that thread serves it to the
+//! end on a single-threaded runtime of its own (the model of Envoy's and
+//! nginx's workers).
+//!
+//! Why not the shared work-stealing runtime: a unary call is a few
+//! microseconds of work split over three tasks (the connection, the
+//! stream, the engine call). Spread over worker threads, every hand-off is
+//! a cross-thread wake (a futex, often a context switch), and measured on
+//! two cores that cost a quarter of the CPU per call and most of the p99:
+//! the tail came from threads waking each other, not from deciding. On a
+//! thread of its own a connection's tasks wake each other without a
+//! syscall. The engine's background work (Redis clients, replay, sweeps)
+//! stays on the main runtime; see [`crate::tasks`].
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use futures::StreamExt as _;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::server::Router;
+
+use super::tls::{Handshakes, Reloading};
+
+/// How many serving threads `grpc_threads = 0` means: one per CPU this
+/// process may run on.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Serves `router` on `threads` threads (at least one) for connections
+/// accepted on `listener` until `stop`, over TLS when `tls` is set. The
+/// handle ends when every thread has drained, with the first error; a
+/// thread that cannot start is an error at once.
+pub fn serve(
+    listener: TcpListener,
+    threads: usize,
+    tls: Option<Arc<Reloading>>,
+    router: Router,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<JoinHandle<anyhow::Result<()>>> {
+    let threads = threads.max(1);
+    let handshakes = Handshakes::new();
+    let mut queues = Vec::with_capacity(threads);
+    let mut ends = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
+        let (done_tx, done_rx) = oneshot::channel();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (router, stop, tls, handshakes) = (
+            router.clone(),
+            stop.clone(),
+            tls.clone(),
+            handshakes.clone(),
+        );
+        std::thread::Builder::new()
+            .name(format!("leasehold-grpc-{i}"))
+            .spawn(move || {
+                let result = runtime.block_on(serve_thread(rx, router, tls, handshakes, stop));
+                let _ = done_tx.send(result);
+            })?;
+        queues.push(tx);
+        ends.push(done_rx);
+    }
+    let acceptor = tokio::spawn(accept(listener, queues, stop));
+    Ok(tokio::spawn(async move {
+        let mut ends: futures::stream::FuturesUnordered<_> = ends.into_iter().collect();
+        while let Some(end) = ends.next().await {
+            match end {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(anyhow::anyhow!("gRPC serving thread: {e}")),
+                Err(_) => anyhow::bail!("a gRPC serving thread ended without a word (panicked)"),
+            }
+        }
+        acceptor.abort();
+        Ok(())
+    }))
+}
+
+/// Accepts until `stop`, handing the connections out in turn. A socket
+/// leaves this runtime's reactor here and joins its thread's there.
+async fn accept(
+    listener: TcpListener,
+    queues: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let next = AtomicUsize::new(0);
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: wait rather than spin.
+                tracing::debug!(error = %e, "gRPC accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        super::socket_options(&stream);
+        let std_stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot hand a gRPC connection to its thread");
+                continue;
+            }
+        };
+        let i = next.fetch_add(1, Ordering::Relaxed) % queues.len();
+        // A thread whose queue is closed has stopped; its error reaches the
+        // caller through its end.
+        let _ = queues[i].send(std_stream);
+    }
+}
+
+/// One thread's server: its connections, over TLS when set, until `stop`,
+/// then drained.
+async fn serve_thread(
+    rx: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    router: Router,
+    tls: Option<Arc<Reloading>>,
+    handshakes: Handshakes,
+    stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let conns = UnboundedReceiverStream::new(rx).filter_map(|s| async move {
+        match TcpStream::from_std(s) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot serve a gRPC connection on its thread");
+                None
+            }
+        }
+    });
+    let mut signal_rx = stop.clone();
+    let signal = async move {
+        let _ = signal_rx.wait_for(|s| *s).await;
+    };
+    let result = match tls {
+        None => {
+            router
+                .serve_with_incoming_shutdown(conns.map(Ok::<_, std::io::Error>), signal)
+                .await
+        }
+        Some(tls) => {
+            let incoming = super::tls::incoming(Box::pin(conns), tls, handshakes, stop);
+            router.serve_with_incoming_shutdown(incoming, signal).await
+        }
+    };
+    result.map_err(|e| e.to_string())
+}
