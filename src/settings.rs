@@ -177,6 +177,10 @@ pub struct Settings {
     pub replica_response_header: bool,
 }
 
+/// Serving threads beyond this are a typo, not a machine (each is an OS
+/// thread started before the first request).
+const MAX_GRPC_THREADS: usize = 1024;
+
 impl Default for Settings {
     fn default() -> Self {
         let d = DecisionSettings::default();
@@ -492,6 +496,12 @@ impl Settings {
         if self.replica_id.as_deref().is_some_and(str::is_empty) {
             return Err(invalid("replica_id", "must not be empty"));
         }
+        if self.grpc_threads > MAX_GRPC_THREADS {
+            return Err(invalid(
+                "grpc_threads",
+                format!("{} is more than {MAX_GRPC_THREADS}", self.grpc_threads),
+            ));
+        }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             return Err(invalid(
                 "log_format",
@@ -682,6 +692,22 @@ mod tests {
         assert!(s.grpc_allow_adjustments, "Envoy's own refunds work");
         assert!(s.max_request_bytes >= 4 * 60 * 1024);
         assert!(s.http_header_timeout_ms <= 30_000, "slow headers end");
+    }
+
+    #[test]
+    fn grpc_threads_are_bounded_and_zero_means_one_per_cpu() {
+        let env = |v: &str| vec![("LEASEHOLD_GRPC_THREADS".to_string(), v.to_string())];
+        let with = |v: &str| {
+            let mut s = Settings::load(None, env(v)).expect("a number");
+            s.rules = vec!["r".into()];
+            s
+        };
+        assert_eq!(with("0").grpc_threads, 0);
+        assert!(with("0").validate().is_ok());
+        assert!(with("3").validate().is_ok());
+        assert!(with("100000")
+            .validate()
+            .is_err_and(|e| e.to_string().contains("grpc_threads")));
     }
 
     #[test]
