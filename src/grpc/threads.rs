@@ -59,7 +59,9 @@ pub fn serve(
             handshakes.clone(),
         );
         std::thread::Builder::new()
-            .name(format!("leasehold-grpc-{i}"))
+            // Linux keeps 15 bytes of a thread name: short enough to show whole
+            // in `top -H` and `perf`.
+            .name(format!("lh-grpc-{i}"))
             .spawn(move || {
                 let result = runtime.block_on(serve_thread(rx, router, tls, handshakes, stop));
                 let _ = done_tx.send(result);
@@ -153,4 +155,58 @@ async fn serve_thread(
         }
     };
     result.map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    /// Connections handed out over three threads are all served, and the
+    /// stop signal drains every thread.
+    #[tokio::test]
+    async fn connections_are_handed_out_in_turn_and_all_threads_drain() {
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        let router = tonic::transport::Server::builder().add_service(health);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop) = watch::channel(false);
+        let served = serve(listener, 3, None, router, stop).unwrap();
+
+        let mut clients = Vec::new();
+        for _ in 0..6 {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut client = HealthClient::new(channel);
+            let reply = client
+                .check(HealthCheckRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(reply.status, 1, "SERVING");
+            clients.push(client);
+        }
+        // The three threads run, under names `top -H` shows whole.
+        let names: HashSet<String> = (0..3).map(|i| format!("lh-grpc-{i}")).collect();
+        let running: HashSet<String> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim().to_string())
+            .filter(|c| c.starts_with("lh-grpc-"))
+            .collect();
+        assert_eq!(running, names);
+
+        drop(clients);
+        stop_tx.send(true).unwrap();
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(10), served)
+            .await
+            .expect("every thread drains")
+            .unwrap();
+        assert!(ended.is_ok(), "{ended:?}");
+    }
 }
