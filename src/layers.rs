@@ -9,6 +9,7 @@ use std::path::Path;
 const LAYERS: &[(&str, u8)] = &[
     ("limit", 0),
     ("clock", 0),
+    ("tasks", 0),
     ("proto", 0),
     ("telemetry", 0),
     ("key", 1),

@@ -11,7 +11,6 @@
 //!   building the engine, serving, background loops, the shutdown order and
 //!   signal handling.
 //! - [`settings`], [`telemetry`]: typed settings; logs and OTLP traces.
-//!   [`tasks`]: the runtime work spawned on a request's path runs on.
 //! - `grpc`, `http`: the transports (RLS, health, reflection; health,
 //!   `/json`, `/metrics`, admin pages), glue only. `metrics` renders for
 //!   them.
@@ -27,7 +26,8 @@
 //! - [`rules`]: envoyproxy/ratelimit YAML → validated tree; matching.
 //! - [`domain`]: charges, outcomes and the backend contract every layer
 //!   shares; [`key`]: the counter key (encode, decode, hash tag, redaction).
-//! - [`limit`]: pure algorithm math with `now` passed in; [`clock`]: time.
+//! - [`limit`]: pure algorithm math with `now` passed in; [`clock`]: time;
+//!   [`tasks`]: the runtime work spawned on a request's path runs on.
 //! - [`proto`]: the generated Envoy RLS v3 types; [`redact`]: value hashing.
 //!
 //! Without the `server` feature (on by default) only the core is built:
