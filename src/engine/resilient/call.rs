@@ -45,6 +45,41 @@ pub const ALIVE_MS: u64 = 100;
 type LateCall =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<RawReply, CallError>> + Send>>;
 
+/// A call its request is waiting on. Dropped unfinished (the client went
+/// away, the request's future with it), the call is not cut off midway (a
+/// request across Cluster slots takes back what it charged; a fenced call
+/// retries; a call that may have applied raises the epoch): it finishes
+/// on the engine's runtime, its reply unread, as [`Waiting`] expects.
+struct InFlight<'a> {
+    call: Option<LateCall>,
+    home: &'a crate::tasks::Home,
+}
+
+impl std::future::Future for InFlight<'_> {
+    type Output = Result<RawReply, CallError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.call.as_mut() {
+            Some(call) => call.as_mut().poll(cx),
+            // Taken once it finished or timed out; never polled after.
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            drop(self.home.spawn(async move {
+                let _ = call.await;
+            }));
+        }
+    }
+}
+
 /// What became of a request sent to the backend.
 pub(super) enum Decided {
     Answered(BatchOutcome),
@@ -193,13 +228,21 @@ impl ResilientEngine {
         // Polled here, on the request's own task, while within its budget:
         // the reply then wakes the request directly (a task spawned per
         // call cost a cross-thread hand-off each way, measured at a tenth
-        // of a call's CPU). Only a call past its budget moves to a task
-        // of its own on the engine's runtime.
-        let mut call: LateCall =
-            Box::pin(async move { backend.decide(&owned, &expected, &presume).await });
-        let result = match tokio::time::timeout(Duration::from_millis(budget), &mut call).await {
-            Ok(result) => result,
-            Err(_) => {
+        // of a call's CPU). Only a call past its budget, or one whose
+        // request went away, moves to a task of its own on the engine's
+        // runtime. Declared after `waiting`, so dropped before it.
+        let mut call = InFlight {
+            call: Some(Box::pin(async move {
+                backend.decide(&owned, &expected, &presume).await
+            })),
+            home: &self.home,
+        };
+        let timed = tokio::time::timeout(Duration::from_millis(budget), &mut call).await;
+        let late = call.call.take();
+        let result = match (timed, late) {
+            (Ok(result), _) => result,
+            (Err(_), None) => Err(CallError::Reply("call lost its future".into())),
+            (Err(_), Some(call)) => {
                 let failure_counted = !alive;
                 if failure_counted {
                     let reason = format!("no answer within {budget} ms");

@@ -71,3 +71,29 @@ async fn a_silent_redis_is_an_outage_decided_on_leases() {
     assert_eq!(rig.pending(), (0, 0, 0));
     rig.assert_exact();
 }
+
+/// A client that goes away mid-call (its request's future dropped, as on
+/// an HTTP/2 RST_STREAM) does not cut the call off: it finishes on the
+/// engine's runtime, so multi-step calls (across Cluster slots, a fenced
+/// retry) complete, and its keys are left suspect for repair.
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_client_went_away_still_finishes() {
+    let mut rig = Rig::new();
+    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
+    rig.fake.set(Mode::Slow);
+    let gone = tokio::time::timeout(
+        std::time::Duration::from_millis(BUDGET_MAX_MS / 3),
+        rig.hit("a"),
+    )
+    .await;
+    assert!(gone.is_err(), "the client gave up before the budget");
+    rig.fake.set(Mode::Up);
+    rig.fake.release();
+    settle_tasks().await;
+    assert_eq!(
+        rig.fake.total(&rig.key("a"), &rig.spec),
+        2,
+        "the abandoned call ran to its end"
+    );
+    assert_eq!(rig.pending().2, 1, "its key is suspect, to be repaired");
+}
