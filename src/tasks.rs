@@ -36,12 +36,6 @@ impl Home {
     }
 }
 
-impl Default for Home {
-    fn default() -> Self {
-        Home::here()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
