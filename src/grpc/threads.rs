@@ -61,38 +61,30 @@ pub fn serve(
     for i in 0..threads {
         let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
         let (done_tx, done_rx) = oneshot::channel();
-        if i == 0 && share_this_thread {
-            let (router, stop, tls, handshakes) = (
-                router.clone(),
-                stop.clone(),
-                tls.clone(),
-                handshakes.clone(),
-            );
-            tokio::spawn(async move {
-                let result = serve_thread(rx, router, tls, handshakes, stop).await;
-                let _ = done_tx.send(result);
-            });
-            queues.push(tx);
-            ends.push(done_rx);
-            continue;
-        }
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let (router, stop, tls, handshakes) = (
+        // Not started until polled, here or on a thread of its own.
+        let share = serve_thread(
+            rx,
             router.clone(),
-            stop.clone(),
             tls.clone(),
             handshakes.clone(),
+            stop.clone(),
         );
-        std::thread::Builder::new()
-            // Linux keeps 15 bytes of a thread name: short enough to show whole
-            // in `top -H` and `perf`.
-            .name(format!("lh-grpc-{i}"))
-            .spawn(move || {
-                let result = runtime.block_on(serve_thread(rx, router, tls, handshakes, stop));
-                let _ = done_tx.send(result);
-            })?;
+        if i == 0 && share_this_thread {
+            tokio::spawn(async move {
+                let _ = done_tx.send(share.await);
+            });
+        } else {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            std::thread::Builder::new()
+                // Linux keeps 15 bytes of a thread name: short enough to show
+                // whole in `top -H` and `perf`.
+                .name(format!("lh-grpc-{i}"))
+                .spawn(move || {
+                    let _ = done_tx.send(runtime.block_on(share));
+                })?;
+        }
         queues.push(tx);
         ends.push(done_rx);
     }
