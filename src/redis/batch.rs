@@ -15,6 +15,14 @@
 //! a slot that is slow (say being moved to another node) holds up only its
 //! own calls.
 //!
+//! A batch's answers go back to its callers by thread: those waiting on
+//! the thread that read the reply are woken there, and those of each other
+//! serving thread are handed to that thread in one task, where they wake
+//! each other without a syscall and their responses leave in fewer
+//! writes. (Woken one by one from here, each cost an eventfd write and
+//! often a context switch: measured on two cores, about half a syscall per
+//! decision, and responses that left two to a write instead of five.)
+//!
 //! What stays true per request: the order of calls for one key (they share
 //! a connection and its queue is first in, first out, with one batch per
 //! slot in flight at a time), the epoch fence (each request carries its
@@ -41,6 +49,41 @@ struct Queued {
     slot: u16,
     call: DecideArgs,
     reply: oneshot::Sender<Reply>,
+    /// Where the caller waits (see [`Answers`]).
+    caller: Caller,
+}
+
+/// The thread and runtime a queued call's caller waits on.
+#[derive(Clone)]
+struct Caller {
+    thread: std::thread::ThreadId,
+    runtime: Option<tokio::runtime::Handle>,
+}
+
+impl Caller {
+    fn here() -> Self {
+        Caller {
+            thread: std::thread::current().id(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        }
+    }
+}
+
+/// The answers of one batch for callers waiting on one other thread,
+/// handed to that thread's runtime in one go: waking each caller from
+/// here would cost a cross-thread wake (an eventfd write, often a context
+/// switch) per request; there they wake each other for free, and their
+/// responses leave together. The answers are given when this is dropped,
+/// so a runtime that shuts down before running the hand-off (dropping the
+/// task) still delivers them.
+struct Answers(Vec<(oneshot::Sender<Reply>, Reply)>);
+
+impl Drop for Answers {
+    fn drop(&mut self) {
+        for (tx, reply) in self.0.drain(..) {
+            let _ = tx.send(reply);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -95,6 +138,7 @@ impl Redis {
                 slot: slot_of_keys,
                 call,
                 reply: tx,
+                caller: Caller::here(),
             });
             s.take_ready()
         };
@@ -143,14 +187,19 @@ impl Redis {
         let mut replies = Vec::with_capacity(batch.len());
         let count = batch.len();
         for (i, q) in batch.into_iter().enumerate() {
-            let Queued { call, reply, .. } = q;
+            let Queued {
+                call,
+                reply,
+                caller,
+                ..
+            } = q;
             if i == 0 {
                 args.extend(call.header);
                 args.push(Value::Integer(count as i64));
             }
             keys.extend(call.keys);
             args.extend(call.body);
-            replies.push(reply);
+            replies.push((reply, caller));
         }
         let result = self
             .eval(
@@ -162,17 +211,34 @@ impl Redis {
             )
             .await
             .and_then(integers);
-        match result.and_then(|flat| split(&flat, replies.len())) {
-            Ok(parts) => {
-                for (tx, part) in replies.into_iter().zip(parts) {
-                    let _ = tx.send(Ok(part));
-                }
-            }
-            Err(e) => {
-                for tx in replies {
-                    let _ = tx.send(Err(e.clone()));
-                }
-            }
+        let answers: Vec<Reply> = match result.and_then(|flat| split(&flat, replies.len())) {
+            Ok(parts) => parts.into_iter().map(Ok).collect(),
+            Err(e) => vec![Err(e); replies.len()],
+        };
+        answer(replies, answers);
+    }
+}
+
+/// Gives each caller its answer: directly to those waiting on this
+/// thread (or on no runtime), in one hand-off per other thread (see
+/// [`Answers`]).
+fn answer(replies: Vec<(oneshot::Sender<Reply>, Caller)>, answers: Vec<Reply>) {
+    let here = std::thread::current().id();
+    let mut away: Vec<(Caller, Answers)> = Vec::new();
+    for ((tx, caller), reply) in replies.into_iter().zip(answers) {
+        if caller.thread == here || caller.runtime.is_none() {
+            let _ = tx.send(reply);
+            continue;
+        }
+        match away.iter_mut().find(|(c, _)| c.thread == caller.thread) {
+            Some((_, group)) => group.0.push((tx, reply)),
+            None => away.push((caller, Answers(vec![(tx, reply)]))),
+        }
+    }
+    for (caller, group) in away {
+        match caller.runtime {
+            Some(rt) => drop(rt.spawn(async move { drop(group) })),
+            None => drop(group),
         }
     }
 }
@@ -311,6 +377,7 @@ mod tests {
                 body: vec![Value::Integer(n)],
             },
             reply: oneshot::channel().0,
+            caller: Caller::here(),
         }
     }
 
@@ -377,5 +444,82 @@ mod tests {
         assert_eq!(orders(&take_batches(&mut queue, &[])), [vec![3]]);
         assert_eq!(orders(&take_batches(&mut queue, &[])), [vec![4]]);
         assert!(queue.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod answer_tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A caller waiting on a thread of its own, on a single-threaded runtime
+    /// (a gRPC serving thread), until `stop`.
+    fn serving_thread() -> (Caller, oneshot::Sender<()>, std::thread::JoinHandle<()>) {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                ready_tx.send(Caller::here()).unwrap();
+                let _ = stop_rx.await;
+            });
+        });
+        (ready_rx.recv().unwrap(), stop_tx, thread)
+    }
+
+    fn waiting(caller: &Caller) -> ((oneshot::Sender<Reply>, Caller), oneshot::Receiver<Reply>) {
+        let (tx, rx) = oneshot::channel();
+        ((tx, caller.clone()), rx)
+    }
+
+    #[test]
+    fn each_caller_hears_its_own_answer_here_or_on_its_thread() {
+        let (away, stop, thread) = serving_thread();
+        let here = Caller::here();
+        assert!(here.runtime.is_none(), "a plain test thread has no runtime");
+        let (a, rx_a) = waiting(&here);
+        let (b, rx_b) = waiting(&away);
+        let (c, rx_c) = waiting(&away);
+        answer(
+            vec![a, b, c],
+            vec![Ok(vec![1]), Ok(vec![2]), Err(CallError::Reply("x".into()))],
+        );
+        let wait = |rx: oneshot::Receiver<Reply>| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let mut rx = rx;
+            loop {
+                match rx.try_recv() {
+                    Ok(r) => return r,
+                    Err(oneshot::error::TryRecvError::Empty)
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(e) => panic!("no answer: {e}"),
+                }
+            }
+        };
+        assert_eq!(wait(rx_a).ok(), Some(vec![1]));
+        assert_eq!(wait(rx_b).ok(), Some(vec![2]));
+        assert!(wait(rx_c).is_err(), "a failed batch fails each request");
+        stop.send(()).unwrap();
+        thread.join().unwrap();
+    }
+
+    /// A runtime that ended before its hand-off ran drops the task, and the
+    /// answers are given all the same (a call moved to the engine's runtime
+    /// when its client went away still waits for them).
+    #[test]
+    fn answers_for_a_thread_whose_runtime_ended_are_still_given() {
+        let (away, stop, thread) = serving_thread();
+        stop.send(()).unwrap();
+        thread.join().unwrap();
+        let (a, rx) = waiting(&away);
+        answer(vec![a], vec![Ok(vec![7])]);
+        let mut rx = rx;
+        assert_eq!(rx.try_recv().ok().and_then(Result::ok), Some(vec![7]));
     }
 }

@@ -1004,7 +1004,20 @@ async fn batched_requests_stay_all_or_nothing_each() {
     // (A call Redis does not answer within the budget is denied and its
     // count taken back, so `a` alone may see a few denials here.)
     assert!(a_only > 0);
-    assert!(with_b <= 1, "`b` admits one per minute: {with_b}");
+    // How each decision was made, should this fail (a decision on the
+    // lease, a breaker trip, a fenced call).
+    let engine = || {
+        let s = server.status();
+        format!(
+            "decisions {}, breaker {}",
+            s["engine"]["decisions"], s["engine"]["breaker"]
+        )
+    };
+    assert!(
+        with_b <= 1,
+        "`b` admits one per minute: {with_b}; {}",
+        tokio::task::block_in_place(engine)
+    );
     // Calls that missed the budget are taken back (their late replies
     // folded in, then replayed): Redis holds the grants once that is done.
     // A denied request that charged `a` would keep it one above for good.
