@@ -92,6 +92,37 @@ bench_redis() {
   echo "$1 $(echo "$r" | summary)  Redis CPU $(python3 -c "print(f'{($after-$before)*1e6/$n:.1f}')") ms, $(python3 -c "print(f'{($after_calls-$calls)*1000/$n:.0f}')") commands per 1000 decisions"
 }
 
+# CPU seconds a process has used (user + system), from /proc.
+cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"; }
+
+# row LABEL PID ADDR KEYS [DESCRIPTOR KEY] [redis]: one run, with the
+# server's CPU per decision and the ratio of its requests/s to the last
+# ceiling row's (CEILING_RPS; a row labelled "ceiling" sets it). On a
+# machine whose speed drifts between runs, the CPU per decision is the
+# steadier figure. With "redis", Redis CPU and commands per 1000
+# decisions too.
+row() {
+  local label=$1 pid=$2 addr=$3 keys=$4 key=${5:-key} redis=${6:-}
+  local c0 c1 r0 r1 k0 k1 r
+  c0=$(cpu_of "$pid")
+  if [ -n "$redis" ]; then r0=$(redis_cpu); k0=$(redis_calls); fi
+  r=$(bench "$addr" "$keys" "$key")
+  c1=$(cpu_of "$pid")
+  if [ -n "$redis" ]; then r1=$(redis_cpu); k1=$(redis_calls); else r1=0; r0=0; k1=0; k0=0; fi
+  case $label in *ceiling*) CEILING_RPS=$(echo "$r" | python3 -c 'import json,sys; print(json.load(sys.stdin)["requests_per_second"])');; esac
+  echo "$r" | python3 -c '
+import json, sys
+label, c0, c1, ceiling, redis, r0, r1, k0, k1 = sys.argv[1:]
+r = json.load(sys.stdin); n = max(r["requests"], 1)
+line = "%-34s %6.0f req/s (%.2f x ceiling)  p50 %.2f  p99 %.2f  p99.9 %.2f ms  errors %d  server CPU %.1f us/decision" % (
+    label, r["requests_per_second"], r["requests_per_second"] / float(ceiling), r["p50_us"] / 1e3,
+    r["p99_us"] / 1e3, r["p999_us"] / 1e3, r["errors"], (float(c1) - float(c0)) * 1e6 / n)
+if redis:
+    line += "  Redis CPU %.1f ms, %.0f commands per 1000 decisions" % (
+        (float(r1) - float(r0)) * 1e6 / n, (float(k1) - float(k0)) * 1000 / n)
+print(line)' "$label" "$c0" "$c1" "${CEILING_RPS:-1}" "$redis" "$r0" "$r1" "$k0" "$k1"
+}
+
 summary() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("%.0f req/s  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  errors %d" % (r["requests_per_second"], r["p50_us"]/1e3, r["p99_us"]/1e3, r["p999_us"]/1e3, r["errors"]))'; }
 
 case "${1:-}" in
@@ -108,15 +139,15 @@ redis)
   start_leasehold mem
   # A generous deadline: this measures the Redis path, not the fallback.
   LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
-  CO_PORT=$(free_port); target/release/examples/constant_ok "127.0.0.1:$CO_PORT" & PIDS+=($!); sleep 0.5
+  CO_PORT=$(free_port); target/release/examples/constant_ok "127.0.0.1:$CO_PORT" & CO_PID=$!; PIDS+=("$CO_PID"); sleep 0.5
   for keys in 1 10000; do
-    echo "keys=$keys constant-OK: $(bench "$CO_PORT" $keys | summary)"
-    echo "keys=$keys memory: $(bench "$GRPC_mem" $keys | summary)"
-    bench_redis "keys=$keys redis: " "$GRPC_red" $keys
+    row "keys=$keys ceiling (constant-OK):" "$CO_PID" "$CO_PORT" $keys
+    row "keys=$keys memory:" "$PID_mem" "$GRPC_mem" $keys
+    row "keys=$keys redis:" "$PID_red" "$GRPC_red" $keys key redis
+    # One hot key over its limit (1 per minute): denied from the over-limit
+    # cache after Redis's first denial, refreshed every over_limit_cache_ms.
+    if [ "$keys" = 1 ]; then row "over-limit hot key, redis:" "$PID_red" "$GRPC_red" 1 over redis; fi
   done
-  # One hot key over its limit (1 per minute): denied from the over-limit
-  # cache after Redis's first denial, refreshed every over_limit_cache_ms.
-  bench_redis "over-limit hot key, redis:" "$GRPC_red" 1 over
   # Four replicas on the one Redis, one hot key, 16 in flight to each (64
   # in all): requests/s summed, the worst replica's percentiles.
   for i in 2 3 4; do
