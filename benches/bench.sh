@@ -81,23 +81,12 @@ bench() { # ADDR KEYS [DESCRIPTOR KEY] -> prints one JSON line
 redis_calls() { redis-cli -p "$REDIS_PORT" info commandstats | awk -F'[=,]' '/^cmdstat_/ {s+=$2} END {print s+0}'; }
 redis_cpu() { redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ {s+=$2} END {print s}'; }
 
-# bench_redis LABEL ADDR KEYS [DESCRIPTOR KEY]: the run plus Redis CPU and
-# commands per 1000 decisions.
-bench_redis() {
-  local before calls r n after after_calls
-  before=$(redis_cpu); calls=$(redis_calls)
-  r=$(bench "$2" "$3" "${4:-key}")
-  after=$(redis_cpu); after_calls=$(redis_calls)
-  n=$(echo "$r" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["requests"])')
-  echo "$1 $(echo "$r" | summary)  Redis CPU $(python3 -c "print(f'{($after-$before)*1e6/$n:.1f}')") ms, $(python3 -c "print(f'{($after_calls-$calls)*1000/$n:.0f}')") commands per 1000 decisions"
-}
-
 # CPU seconds a process has used (user + system), from /proc.
 cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"; }
 
 # row LABEL PID ADDR KEYS [DESCRIPTOR KEY] [redis]: one run, with the
 # server's CPU per decision and the ratio of its requests/s to the last
-# ceiling row's (CEILING_RPS; a row labelled "ceiling" sets it). On a
+# ceiling row's (CEILING_RPS, when set; a row labelled "ceiling" sets it). On a
 # machine whose speed drifts between runs, the CPU per decision is the
 # steadier figure. With "redis", Redis CPU and commands per 1000
 # decisions too.
@@ -114,13 +103,14 @@ row() {
 import json, sys
 label, c0, c1, ceiling, redis, r0, r1, k0, k1 = sys.argv[1:]
 r = json.load(sys.stdin); n = max(r["requests"], 1)
-line = "%-34s %6.0f req/s (%.2f x ceiling)  p50 %.2f  p99 %.2f  p99.9 %.2f ms  errors %d  server CPU %.1f us/decision" % (
-    label, r["requests_per_second"], r["requests_per_second"] / float(ceiling), r["p50_us"] / 1e3,
+ratio = " (%.2f x ceiling)" % (r["requests_per_second"] / float(ceiling)) if ceiling else ""
+line = "%-34s %6.0f req/s%s  p50 %.2f  p99 %.2f  p99.9 %.2f ms  errors %d  server CPU %.1f us/decision" % (
+    label, r["requests_per_second"], ratio, r["p50_us"] / 1e3,
     r["p99_us"] / 1e3, r["p999_us"] / 1e3, r["errors"], (float(c1) - float(c0)) * 1e6 / n)
 if redis:
     line += "  Redis CPU %.1f ms, %.0f commands per 1000 decisions" % (
         (float(r1) - float(r0)) * 1e6 / n, (float(k1) - float(k0)) * 1000 / n)
-print(line)' "$label" "$c0" "$c1" "${CEILING_RPS:-1}" "$redis" "$r0" "$r1" "$k0" "$k1"
+print(line)' "$label" "$c0" "$c1" "${CEILING_RPS:-}" "$redis" "$r0" "$r1" "$k0" "$k1"
 }
 
 summary() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("%.0f req/s  p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  errors %d" % (r["requests_per_second"], r["p50_us"]/1e3, r["p99_us"]/1e3, r["p999_us"]/1e3, r["errors"]))'; }
@@ -258,7 +248,7 @@ cluster)
   }
   for run in "1 hot key:1" "10,000 keys:10000"; do
     label=${run%%:*}; keys=${run##*:}
-    bench_redis "$label, one Redis:" "$GRPC_one" "$keys"
+    row "$label, one Redis:" "$PID_one" "$GRPC_one" "$keys" key redis
     declare -A before=()
     for p in "${CLUSTER_PORTS[@]}"; do before[$p]=$(node_stats "$p"); done
     r=$(bench "$GRPC_clu" "$keys")

@@ -132,13 +132,15 @@ impl Redis {
     ) -> Reply {
         let conn = (affinity % self.queues.conns.len() as u64) as usize;
         let (tx, rx) = oneshot::channel();
+        // Read before the lock: the queue is shared by every serving thread.
+        let caller = Caller::here();
         let ready = {
             let mut s = self.queues.conns[conn].lock();
             s.queue.push(Queued {
                 slot: slot_of_keys,
                 call,
                 reply: tx,
-                caller: Caller::here(),
+                caller,
             });
             s.take_ready()
         };
@@ -224,22 +226,22 @@ impl Redis {
 /// [`Answers`]).
 fn answer(replies: Vec<(oneshot::Sender<Reply>, Caller)>, answers: Vec<Reply>) {
     let here = std::thread::current().id();
-    let mut away: Vec<(Caller, Answers)> = Vec::new();
+    let mut away: Vec<(std::thread::ThreadId, tokio::runtime::Handle, Answers)> = Vec::new();
     for ((tx, caller), reply) in replies.into_iter().zip(answers) {
-        if caller.thread == here || caller.runtime.is_none() {
+        let Some(runtime) = caller.runtime.filter(|_| caller.thread != here) else {
             let _ = tx.send(reply);
             continue;
-        }
-        match away.iter_mut().find(|(c, _)| c.thread == caller.thread) {
-            Some((_, group)) => group.0.push((tx, reply)),
-            None => away.push((caller, Answers(vec![(tx, reply)]))),
+        };
+        match away
+            .iter_mut()
+            .find(|(thread, ..)| *thread == caller.thread)
+        {
+            Some((.., group)) => group.0.push((tx, reply)),
+            None => away.push((caller.thread, runtime, Answers(vec![(tx, reply)]))),
         }
     }
-    for (caller, group) in away {
-        match caller.runtime {
-            Some(rt) => drop(rt.spawn(async move { drop(group) })),
-            None => drop(group),
-        }
+    for (_, runtime, group) in away {
+        drop(runtime.spawn(async move { drop(group) }));
     }
 }
 
