@@ -113,7 +113,15 @@ impl ResilientEngine {
                 PresumedCharge {
                     fraction,
                     prove: settled,
-                    pending: unreplayed,
+                    // Only what adds to the count. A take-back not written
+                    // yet (a wrongly denied request's grant, folded back)
+                    // makes this negative, and the call may run after the
+                    // replay has written it: subtracted again there, it
+                    // would free the grant twice and admit past the limit
+                    // (seen: a limit of 1 admitted twice under the default
+                    // budget). Until written, Redis counts the grant as used.
+                    // A positive count that went stale only over-counts.
+                    pending: unreplayed.max(0),
                     demand_known,
                 }
             })

@@ -97,3 +97,27 @@ async fn a_call_whose_client_went_away_still_finishes() {
     );
     assert_eq!(rig.pending().2, 1, "its key is suspect, to be repaired");
 }
+
+/// A take-back not replayed yet leaves the local count below what Redis
+/// holds. The call carries only what adds to Redis's count: it may run
+/// after the replay has written the take-back, and subtracting it again
+/// there would free one grant twice (a limit of 1 admitted twice).
+#[tokio::test(start_paused = true)]
+async fn a_take_back_is_never_carried_as_a_negative_count() {
+    let rig = Rig::new();
+    let batch = crate::domain::Batch {
+        charges: vec![crate::domain::Charge {
+            key: rig.key("a"),
+            spec: rig.spec,
+            hits: 1,
+            refund: false,
+            role: crate::limit::Role::Enforce,
+        }],
+        never_deny: false,
+    };
+    let now = crate::clock::Clock::now_ms(rig.clock.as_ref());
+    let taken_back = rig.engine.presume(&batch, now, &[(-1, false, false)]);
+    assert_eq!(taken_back.charges[0].pending, 0);
+    let granted_locally = rig.engine.presume(&batch, now, &[(3, false, false)]);
+    assert_eq!(granted_locally.charges[0].pending, 3, "lease grants count");
+}
