@@ -13,8 +13,13 @@
 --   [6] silent members: comma-separated field indices ("" none)
 --   [7] the number of requests
 -- then per request:
---   its shape "<keys>,<charges>,<never_deny>": how many KEYS it has, how
---       many charges, "1" in global shadow mode
+--   its shape "<keys>,<charges>,<never_deny>[,<times>]": how many KEYS it
+--       has, how many charges, "1" in global shadow mode, and how many
+--       identical requests it stands for (1 when absent): a group, whose
+--       members are decided one after the other as if each had been sent
+--       on its own and each get their own reply (never with a
+--       sliding-log charge, whose members take their ids from the call
+--       id)
 --   its call id, unique per replica incarnation (sliding-log member ids)
 --   per charge i, two arguments:
 --     "<algorithm>,<limit>,<unit_ms>,<burst>,<hits>,<flags>,<expected_w>,
@@ -141,7 +146,7 @@ end
 local shapes, charges = {}, {}
 local function shape_of(s)
   local p = numbers_in(s)
-  local shape = {keys = p[1], charges = p[2], never_deny = p[3] == 1}
+  local shape = {keys = p[1], charges = p[2], never_deny = p[3] == 1, times = p[4] or 1}
   shapes[s] = shape
   return shape
 end
@@ -332,6 +337,10 @@ end
 -- counted them.
 local incr, order = {}, {}
 
+-- The window charge decide() went through last, for the members of a
+-- group after its first (`repeat_window`).
+local last_cur, last_key, last_weighted, last_expire_at, last_reset, last_own, last_total
+
 -- One request's decision: its keys follow KEYS[ko], its arguments
 -- ARGV[ao] (its shape). Appends its reply to `out` after index `nout` and
 -- returns the new end.
@@ -423,6 +432,8 @@ local function decide(ko, ao, shape, out, nout)
         own = prev.own + prev.own_local
         total = prev.total
       end
+      last_cur, last_key, last_weighted, last_expire_at = cur, key, weighted, expire_at
+      last_reset, last_own, last_total = reset, own, total
       if delta ~= 0 then
         local at = nwr * 8
         nwr = nwr + 1
@@ -630,6 +641,49 @@ local function decide(ko, ao, shape, out, nout)
   return nout
 end
 
+-- Decides the `m` members of a group after its first, which decide()
+-- has just decided: one fixed or sliding window charge, not a refund or a
+-- take-back, no presumption, neither stale nor lost. For each of them
+-- decide() would find the same window, fence, weight of the previous
+-- window, reset and demand, no announcement or proof to make (the first
+-- made it), and a count raised by what the members before it were
+-- granted; so this is decide() for that case, without its bookkeeping.
+-- Appends each member's reply as the main loop does.
+local function repeat_window(ch, never_deny, m, out, nout)
+  local cur, limit, hits = last_cur, ch.limit, ch.hits
+  local used = last_weighted + ch.pending + cur.held
+  local may_deny = not never_deny and ch.role ~= 1
+  local reset, own, total = last_reset, last_own, last_total
+  local count = cur.total
+  for _ = 1, m do
+    local after = used + count + hits
+    local status, remaining, delta = 0, 0, hits
+    if after > limit then
+      remaining = -1
+      if may_deny then status, delta = 1, 0 end
+    elseif limit > after then
+      remaining = limit - after
+    end
+    count = count + delta
+    out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = 6, status, remaining, reset
+    out[nout + 5], out[nout + 6], out[nout + 7] = own, total, delta
+    nout = nout + 7
+  end
+  local added = count - cur.total
+  if added ~= 0 then
+    local p = incr[last_key]
+    if not p then
+      p = {delta = 0, expire_at = last_expire_at, exists = cur.exists}
+      incr[last_key] = p
+      order[#order + 1] = last_key
+    end
+    p.delta = p.delta + added
+    cur.total = count
+    cur.own = cur.own + added
+  end
+  return nout
+end
+
 local out = {}
 local nout = 0
 local ko, ao = 0, 8
@@ -639,6 +693,21 @@ for _ = 1, tonumber(ARGV[7]) do
   local at = nout + 1
   nout = decide(ko, ao, shape, out, at)
   out[at] = nout - at
+  local times = shape.times
+  if times > 1 then
+    local ch = shape.charges == 1 and charges[ARGV[ao + 2]]
+    local status = out[at + 1]
+    if ch and (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
+        and ch.fraction <= 0 and (status == 0 or status == 1) then
+      nout = repeat_window(ch, shape.never_deny, times - 1, out, nout)
+    else
+      for _ = 2, times do
+        at = nout + 1
+        nout = decide(ko, ao, shape, out, at)
+        out[at] = nout - at
+      end
+    end
+  end
   ko = ko + shape.keys
   ao = ao + 2 + 2 * shape.charges
 end

@@ -136,6 +136,11 @@ pub struct DecideArgs {
     /// parses each distinct one once per call; the expected count changes
     /// with every request and goes on its own, as an integer.
     pub body: Vec<Value>,
+    /// No sliding-log charge: requests equal to this one in keys and body
+    /// (bar the call id) may go as one group (see the shape in
+    /// decide.lua). A sliding-log charge takes its members' ids from the
+    /// call id, so identical requests must keep theirs.
+    pub repeatable: bool,
 }
 
 /// decide.lua's arguments for one request ([`DecideArgs`]). The batch
@@ -208,7 +213,16 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
         body.push(Value::from(charge));
         body.push(Value::Integer(count));
     }
-    DecideArgs { keys, header, body }
+    let repeatable = batch
+        .charges
+        .iter()
+        .all(|c| c.spec.algorithm != Algorithm::SlidingLog);
+    DecideArgs {
+        keys,
+        header,
+        body,
+        repeatable,
+    }
 }
 
 /// A decision reply as the script sent it.

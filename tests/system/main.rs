@@ -5,6 +5,7 @@
 //! - [`e2e`]: the binary's surfaces, Envoy's filter, reload, startup and shutdown;
 //! - [`redis_e2e`]: the Redis engine across replicas, restarts and bad peers;
 //! - [`cluster`]: the Redis engine on a real Redis Cluster: spread, slots, failover;
+//! - [`script`]: decide.lua called directly: groups of equal requests;
 //! - [`sentinel`]: behind Redis Sentinel: a failover that loses writes, healed;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
@@ -22,6 +23,7 @@ mod hardening;
 mod layout;
 mod operations;
 mod redis_e2e;
+mod script;
 mod sentinel;
 mod tls;
 mod topology;
