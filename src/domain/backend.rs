@@ -109,13 +109,23 @@ pub enum CallError {
     Redis(String),
     #[error("unexpected reply from Redis: {0}")]
     Reply(String),
+    /// A Redis Cluster refused the call, for as long as it was retried,
+    /// because its slot is being moved: it never ran, and Redis answered.
+    #[error("Redis Cluster slot still moving: {0}")]
+    SlotMoving(String),
 }
 
 impl CallError {
     pub fn maybe_applied(&self) -> bool {
         // Only a call that never left is known not to have run; an odd reply
         // may belong to a call that did.
-        !matches!(self, CallError::NotConnected(_))
+        !matches!(self, CallError::NotConnected(_) | CallError::SlotMoving(_))
+    }
+
+    /// Whether the call says Redis is in trouble (the breaker counts it): a
+    /// slot being moved is a busy Cluster, not a failing one.
+    pub fn is_failure(&self) -> bool {
+        !matches!(self, CallError::SlotMoving(_))
     }
 }
 
@@ -205,6 +215,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Told on every breaker transition whether this replica now decides
     /// on Redis, so its heartbeats can say so to the others.
     fn deciding_on_redis(&self, _on: bool) {}
+
+    /// A count of the store's answers to calls of any kind, rising each time
+    /// one arrives, whether or not its caller is still waiting (a refusal
+    /// that says "try again", such as a Cluster's for a slot being moved,
+    /// counts). A store whose count rises is answering, not silent.
+    fn heard(&self) -> u64 {
+        0
+    }
 
     /// Facts for /status (`"redis"` section).
     fn status(&self) -> serde_json::Value;

@@ -380,6 +380,10 @@ impl Backend for RedisEngine {
         self.membership.set_on_redis(on);
     }
 
+    fn heard(&self) -> u64 {
+        self.redis.heard()
+    }
+
     fn members(&self) -> Members {
         let state = self.membership.state();
         Members {

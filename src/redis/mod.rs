@@ -84,6 +84,9 @@ pub struct Redis {
     /// Script calls that carried decisions, and the decisions they carried.
     batches: AtomicU64,
     batched: AtomicU64,
+    /// Script calls Redis has answered, a Cluster's refusal of one for a
+    /// slot being moved included ([`Redis::heard`]).
+    heard: AtomicU64,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
     /// Failed calls per node ([`topology`]).
@@ -293,11 +296,19 @@ impl Redis {
             home: crate::tasks::Home::here(),
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
+            heard: AtomicU64::new(0),
             display_url: redact_url(&cfg.url),
             node_failures: Default::default(),
             supervisor,
             restarts,
         })
+    }
+
+    /// How many script calls Redis has answered so far, refusals for a
+    /// slot being moved included: a Cluster moving a slot is answering,
+    /// not silent, even while the calls for that slot wait for it.
+    pub fn heard(&self) -> u64 {
+        self.heard.load(Ordering::Relaxed)
     }
 
     pub fn deadline(&self) -> Duration {
@@ -473,8 +484,8 @@ impl Redis {
                             (pause * 2).clamp(Duration::from_millis(1), Duration::from_millis(8));
                     }
                     Err(Attempt::Moving(why)) => {
-                        return Err(CallError::NotConnected(format!(
-                            "{} (slot still moving: {why})",
+                        return Err(CallError::SlotMoving(format!(
+                            "{}: {why}",
                             self.display_url
                         )))
                     }
@@ -560,6 +571,9 @@ impl Redis {
             }
             other => other,
         };
+        if result.as_ref().map_or_else(moving_slot, |_| true) {
+            self.heard.fetch_add(1, Ordering::Relaxed);
+        }
         match result {
             Ok(v) => match strip_token(v, token) {
                 Ok(v) => Ok(v),

@@ -721,7 +721,25 @@ async fn a_reshard_under_load_costs_no_error_and_counts_nothing_twice() {
             let key = format!("lh:v2{{edge|user={user}#60:fw}}@{window}");
             let in_redis = cluster.window_total(&key).unwrap_or(0);
             if *ok > LIMIT + LIMIT / 20 || in_redis != *ok as i64 {
-                wrong.push(format!("{user}: admitted {ok}, Redis {in_redis}"));
+                // What each replica's fields hold, to tell a lost write
+                // from a count taken back twice.
+                let fields = cluster
+                    .cli(&["HGETALL", &key])
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                let per_replica: Vec<u64> = (0..4)
+                    .map(|r| {
+                        result
+                            .by_replica
+                            .get(&(user.clone(), r))
+                            .copied()
+                            .unwrap_or(0)
+                    })
+                    .collect();
+                wrong.push(format!(
+                    "{user}: admitted {ok} (per replica {per_replica:?}), Redis {in_redis} ({fields})"
+                ));
             }
         }
         let total: u64 = result.ok.values().sum();

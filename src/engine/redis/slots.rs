@@ -214,9 +214,9 @@ impl RedisEngine {
                     // Changed, and maybe not taken back: repaired like a call
                     // that may have run.
                     return Err(match e {
-                        CallError::NotConnected(m) => CallError::Redis(format!(
-                            "taking back a cross-slot request failed: {m}"
-                        )),
+                        CallError::NotConnected(m) | CallError::SlotMoving(m) => CallError::Redis(
+                            format!("taking back a cross-slot request failed: {m}"),
+                        ),
                         other => other,
                     });
                 }

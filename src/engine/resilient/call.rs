@@ -2,7 +2,8 @@
 //! doing. A busy Redis is not an outage, and a decision made without its
 //! answer must not grant what Redis does not account for:
 //!
-//! - While Redis is answering (some reply within [`ALIVE_MS`]), a call waits
+//! - While Redis is answering (some reply within [`ALIVE_MS`]; a Cluster's
+//!   refusal of a call for a slot it is moving is an answer), a call waits
 //!   up to `budget_max_ms` for its own reply. If that passes, the request is
 //!   denied (never granted from a lease: the replicas still on Redis would
 //!   not see the grant), counted in `unanswered_denials`, and the call is
@@ -169,6 +170,18 @@ impl ResilientEngine {
     /// longer than [`ALIVE_MS`]: a busy Redis answers something every few
     /// milliseconds, a hung or unreachable one answers nothing.
     fn redis_alive(&self, now: u64) -> bool {
+        // Answers the store heard that no request has taken in yet count
+        // too: a reply read but not yet processed (its request's task not
+        // run), or a Cluster refusing calls for a slot it is moving. Under
+        // a closed-loop load every request can end up waiting on moving
+        // slots, and with nothing else answered for ALIVE_MS a reshard
+        // would look like an outage (seen: breakers tripped mid-reshard,
+        // and lease grants past the limit).
+        let heard = self.backend.heard();
+        if self.heard.swap(heard, Ordering::Relaxed) != heard {
+            self.note_answer();
+            return true;
+        }
         let waiting_since = self.unanswered_since_ms.load(Ordering::Relaxed);
         waiting_since == 0 || now.saturating_sub(waiting_since) <= ALIVE_MS
     }
@@ -192,11 +205,20 @@ impl ResilientEngine {
 
     pub(super) async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Decided {
         let redis_now = self.redis_now(now);
-        let marks: Vec<(u64, bool)> = batch
-            .charges
-            .iter()
-            .map(|c| self.ledger.note_issue(&c.key, &c.spec, now, c.refund))
-            .collect();
+        let mut marks: Vec<(u64, bool)> = Vec::with_capacity(batch.charges.len());
+        for c in &batch.charges {
+            match self.ledger.note_issue(&c.key, &c.spec, now, c.refund) {
+                Some(mark) => marks.push(mark),
+                None => {
+                    // Turned suspect since routing (its repair may be on
+                    // its way): decided on the lease, as a suspect key is.
+                    for c in &batch.charges[..marks.len()] {
+                        self.ledger.note_answered(&c.key, c.refund);
+                    }
+                    return Decided::Failed;
+                }
+            }
+        }
         let mut pending = Vec::with_capacity(batch.charges.len());
         let expected: Vec<(i64, u64)> = batch
             .charges
@@ -266,6 +288,7 @@ impl ResilientEngine {
         self.observe(started);
         let result = self.weigh_loss(batch, &marks, result);
         waiting.armed = false;
+        let moving = matches!(result, Err(CallError::SlotMoving(_)));
         let outcome = self.settle_call(batch, result, now);
         // After the reply's deltas are recorded (or the key marked suspect),
         // so the confirmed count already includes this call's refund.
@@ -274,6 +297,14 @@ impl ResilientEngine {
         }
         match outcome {
             Some(o) => Decided::Answered(o),
+            // Redis is busy moving the slot, not failing: denied, as a call
+            // past its budget is while Redis answers.
+            None if moving => {
+                self.stats
+                    .unanswered_denials
+                    .fetch_add(1, Ordering::Relaxed);
+                Decided::Unanswered
+            }
             None => Decided::Failed,
         }
     }
@@ -412,7 +443,10 @@ impl ResilientEngine {
                 self.ledger.mark_suspect(&c.key, &c.spec, now, sent);
             }
         }
-        if count_failure {
+        // A slot being moved is a busy Cluster, not a failing one: the
+        // breaker does not hear of it (seen: a reshard under load tripping
+        // breakers, and lease grants the replicas on Redis could not see).
+        if count_failure && e.is_failure() {
             let reason = e.to_string();
             self.stats.redis_failures.fetch_add(1, Ordering::Relaxed);
             self.transition(|b| b.on_failure(now, &reason));

@@ -139,6 +139,8 @@ pub struct ResilientEngine {
     /// When the oldest call sent since Redis last answered was sent (local
     /// ms; 0: none waiting). Redis is silent past [`call::ALIVE_MS`] of it.
     unanswered_since_ms: AtomicU64,
+    /// The backend's answer count when last looked at ([`Backend::heard`]).
+    heard: AtomicU64,
     /// Calls past their budget, answered or failed since.
     late: Arc<call::LateQueue>,
     /// Where calls and their late ends run (see [`crate::tasks`]).
@@ -184,6 +186,7 @@ impl ResilientEngine {
             stats: Stats::default(),
             redis_call_seconds: OnceLock::new(),
             unanswered_since_ms: AtomicU64::new(0),
+            heard: AtomicU64::new(0),
             late: Arc::new(call::LateQueue::default()),
             home: crate::tasks::Home::here(),
             last_trouble_ms: AtomicU64::new(0),

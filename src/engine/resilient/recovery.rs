@@ -249,7 +249,14 @@ impl ResilientEngine {
                 }
             }
             Err(e) => {
+                // Some of it may have been written: what Redis holds for
+                // those windows is unknown until a replay succeeds.
+                self.ledger.mark_unsure(&plan);
                 tracing::warn!(error = %e, "replay failed; will retry");
+                if !e.is_failure() {
+                    // A slot being moved: the next round tries again.
+                    return;
+                }
                 let reason = e.to_string();
                 let now = self.clock.now_ms();
                 if recovering {

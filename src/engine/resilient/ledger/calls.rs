@@ -60,7 +60,7 @@ impl Ledger {
         CallInputs {
             expected,
             pending,
-            settled: !e.suspect && pending == 0,
+            settled: !e.suspect && pending == 0 && !w.is_some_and(|w| w.unsure),
             demand_known: e
                 .demand
                 .is_some_and(|(_, dw)| dw.saturating_add(1) == window),
@@ -74,25 +74,36 @@ impl Ledger {
 
     /// A Redis-path call for the key is about to be sent.
     /// Returns the key's refund mark as it stood before this call (see
-    /// [`Self::refund_mark`]), read under the same lock.
+    /// [`Self::refund_mark`]), read under the same lock; `None`, noting
+    /// nothing, when the key is suspect. The caller's earlier look at the
+    /// key (routing) is not enough: between it and this, the key can turn
+    /// suspect and its repair be planned (no call in flight), and a call
+    /// sent then could run before the repair, which would overwrite its
+    /// count while this replica keeps it as confirmed (seen: one grant
+    /// missing from Redis after a reshard under load). Checked and counted
+    /// under one lock, a key in flight is never repaired and a key being
+    /// repaired is never called.
     pub fn note_issue(
         &self,
         key: &CounterKey,
         spec: &LimitSpec,
         now_ms: u64,
         refund: bool,
-    ) -> (u64, bool) {
+    ) -> Option<(u64, bool)> {
         let noted = self.with_entry(key, spec, now_ms, |e| {
+            if e.suspect {
+                return None;
+            }
             let mark = (e.refunds_sent, e.refunds_in_flight > 0);
             e.last_issue_ms = now_ms;
             e.refunds_in_flight += u32::from(refund);
             e.refunds_sent += u64::from(refund);
             e.calls_in_flight += 1;
-            mark
+            Some(mark)
         });
         noted.unwrap_or_else(|| {
             self.untracked.fetch_add(1, Ordering::Relaxed);
-            (0, false)
+            Some((0, false))
         })
     }
 

@@ -70,6 +70,12 @@ struct WindowTally {
     hold: i64,
     /// The `hold` value Redis last confirmed.
     hold_written: i64,
+    /// A replay of this window failed after it may have been written, so
+    /// Redis may hold a local field or hold the tallies know nothing of:
+    /// both are written again, even where the tallies agree (the local
+    /// count can come back to the value last confirmed: a take-back then
+    /// a grant, with the take-back's write in doubt in between).
+    unsure: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -175,7 +181,7 @@ impl Entry {
             || self
                 .windows
                 .iter()
-                .any(|w| w.local_own != w.local_replayed || w.hold != w.hold_written)
+                .any(|w| w.unsure || w.local_own != w.local_replayed || w.hold != w.hold_written)
     }
 }
 

@@ -35,7 +35,7 @@ impl Ledger {
                     .iter()
                     .filter(|w| window_live(&e.spec, w.window, redis_now_ms, margin_ms))
                 {
-                    if w.local_own != w.local_replayed {
+                    if w.unsure || w.local_own != w.local_replayed {
                         entries.push(ReplayEntry {
                             key: key.clone(),
                             spec: e.spec,
@@ -44,7 +44,7 @@ impl Ledger {
                             value: w.local_own,
                         });
                     }
-                    if w.hold != w.hold_written {
+                    if w.unsure || w.hold != w.hold_written {
                         entries.push(ReplayEntry {
                             key: key.clone(),
                             spec: e.spec,
@@ -125,6 +125,23 @@ impl Ledger {
         (plan, waiting)
     }
 
+    /// A plan's replay failed, and may have been written in part: until a
+    /// replay of its windows succeeds, what Redis holds there is unknown.
+    pub fn mark_unsure(&self, planned: &[Planned]) {
+        for p in planned {
+            if let Some(e) = self.shard(&p.key).lock().get_mut(&p.key) {
+                for entry in &p.entries {
+                    if entry.kind == ReplayKind::Repair {
+                        continue;
+                    }
+                    if let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) {
+                        w.unsure = true;
+                    }
+                }
+            }
+        }
+    }
+
     /// Records that Redis confirmed a plan: local values are replayed, and a
     /// repaired key is clean unless it became suspect again meanwhile.
     pub fn mark_replayed(&self, planned: &[Planned]) {
@@ -135,7 +152,11 @@ impl Ledger {
                         continue;
                     };
                     match entry.kind {
-                        ReplayKind::Local => w.local_replayed = entry.value,
+                        ReplayKind::Local => {
+                            w.local_replayed = entry.value;
+                            // Planned with the hold whenever it was unsure.
+                            w.unsure = false;
+                        }
                         ReplayKind::Hold => w.hold_written = entry.value,
                         ReplayKind::Repair => {}
                     }

@@ -72,6 +72,81 @@ async fn a_silent_redis_is_an_outage_decided_on_leases() {
     rig.assert_exact();
 }
 
+/// A store that answers something is not silent, even when no request
+/// has taken an answer in: a Cluster refusing the calls for a slot it is
+/// moving (all a closed-loop load's requests can end up waiting on such
+/// slots) is busy, not down, so its calls are denied past the budget
+/// rather than granted on leases the replicas on Redis cannot see.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_refuses_calls_for_a_moving_slot_is_not_silent() {
+    let mut rig = Rig::new();
+    rig.hit("a").await;
+    rig.fake.set(Mode::Slow);
+    assert_eq!(rig.hit("a").await, DecisionPath::Unanswered);
+    rig.clock.advance(ALIVE_MS + 1);
+    for i in 1..=3 {
+        rig.fake.heard.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(rig.hit("a").await, DecisionPath::Unanswered, "call {i}");
+    }
+    assert_eq!(rig.state(), BreakerState::Healthy);
+    assert_eq!(rig.engine.stats.redis_failures.load(Ordering::SeqCst), 0);
+    // Nothing heard for ALIVE_MS: silent, the short budget and leases.
+    rig.clock.advance(ALIVE_MS + 1);
+    assert_eq!(rig.hit("a").await, DecisionPath::Local);
+    rig.fake.set(Mode::Up);
+    rig.fake.release();
+    settle_tasks().await;
+    rig.tick().await;
+}
+
+/// A call refused because its slot is being moved never ran, and the
+/// Cluster that refused it is busy, not failing: the request is denied
+/// (never granted on a lease the replicas on Redis cannot see), nothing
+/// turns suspect, and the breaker does not count it.
+#[tokio::test(start_paused = true)]
+async fn a_slot_being_moved_is_no_breaker_failure() {
+    let mut rig = Rig::new();
+    rig.hit("a").await;
+    rig.fake.set(Mode::Moving);
+    for i in 1..=5 {
+        assert_eq!(rig.hit("a").await, DecisionPath::Unanswered, "call {i}");
+    }
+    assert_eq!(rig.state(), BreakerState::Healthy);
+    assert_eq!(rig.engine.stats.redis_failures.load(Ordering::SeqCst), 0);
+    assert_eq!(rig.pending(), (0, 0, 0), "nothing suspect");
+    rig.fake.set(Mode::Up);
+    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
+    rig.assert_exact();
+}
+
+/// A request routed to Redis whose key turns suspect before its call is
+/// noted (its repair may be on its way) is decided on the lease, and no
+/// call leaves: one that ran before the repair would be overwritten by it.
+#[tokio::test(start_paused = true)]
+async fn a_key_turned_suspect_after_routing_sends_no_call() {
+    let rig = Rig::new();
+    let batch = crate::domain::Batch {
+        charges: vec![crate::domain::Charge {
+            key: rig.key("a"),
+            spec: rig.spec,
+            hits: 1,
+            refund: false,
+            role: crate::limit::Role::Enforce,
+        }],
+        never_deny: false,
+    };
+    let now = crate::clock::Clock::now_ms(rig.clock.as_ref());
+    let ledger = rig.engine.ledger();
+    ledger.mark_suspect(&rig.key("a"), &rig.spec, now, now);
+    let calls = rig.fake.decide_calls.load(Ordering::SeqCst);
+    assert!(matches!(
+        rig.engine.decide_on_backend(&batch, now).await,
+        crate::engine::resilient::call::Decided::Failed
+    ));
+    assert_eq!(rig.fake.decide_calls.load(Ordering::SeqCst), calls);
+    assert_eq!(rig.pending().2, 1, "still suspect, for its repair");
+}
+
 /// A client that goes away mid-call (its request's future dropped, as on
 /// an HTTP/2 RST_STREAM) does not cut the call off: it finishes on the
 /// engine's runtime, so multi-step calls (across Cluster slots, a fenced

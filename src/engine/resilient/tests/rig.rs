@@ -37,6 +37,9 @@ pub(super) enum Mode {
     /// The call waits (Redis busy) until [`Fake::release`], then runs and
     /// answers.
     Slow,
+    /// A Cluster refuses the call for as long as it is retried: its slot is
+    /// being moved.
+    Moving,
 }
 
 #[derive(Default)]
@@ -55,6 +58,9 @@ pub(super) struct Fake {
     pub(super) store: Mutex<Store>,
     pub(super) decide_calls: AtomicUsize,
     pub(super) gate: tokio::sync::Notify,
+    /// Answers the store gave that no caller has taken in yet (say a
+    /// Cluster's refusals for a slot being moved): see [`Backend::heard`].
+    pub(super) heard: AtomicUsize,
 }
 
 impl Fake {
@@ -65,6 +71,7 @@ impl Fake {
             store: Mutex::new(Store::default()),
             decide_calls: AtomicUsize::new(0),
             gate: tokio::sync::Notify::new(),
+            heard: AtomicUsize::new(0),
         })
     }
 
@@ -176,6 +183,7 @@ impl Backend for Fake {
         match mode {
             Mode::Up => Ok(self.execute(batch)),
             Mode::Refused => Err(CallError::NotConnected("refused".into())),
+            Mode::Moving => Err(CallError::SlotMoving("TRYAGAIN".into())),
             Mode::LoseReply => {
                 self.execute(batch);
                 Err(CallError::Timeout(Duration::from_millis(5)))
@@ -222,6 +230,10 @@ impl Backend for Fake {
             reregistrations: 0,
             ..Members::default()
         }
+    }
+
+    fn heard(&self) -> u64 {
+        self.heard.load(Ordering::SeqCst) as u64
     }
 
     fn status(&self) -> serde_json::Value {
