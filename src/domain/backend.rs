@@ -216,7 +216,7 @@ pub trait Backend: Send + Sync + 'static {
     /// on Redis, so its heartbeats can say so to the others.
     fn deciding_on_redis(&self, _on: bool) {}
 
-    /// A count of the store's answers to calls of any kind, rising each time
+    /// A count of the store's answers to decision calls, rising each time
     /// one arrives, whether or not its caller is still waiting (a refusal
     /// that says "try again", such as a Cluster's for a slot being moved,
     /// counts). A store whose count rises is answering, not silent.

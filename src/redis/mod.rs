@@ -84,9 +84,11 @@ pub struct Redis {
     /// Script calls that carried decisions, and the decisions they carried.
     batches: AtomicU64,
     batched: AtomicU64,
-    /// Script calls Redis has answered, a Cluster's refusal of one for a
+    /// Decision calls Redis has answered, a Cluster's refusal of one for a
     /// slot being moved included ([`Redis::heard`]).
     heard: AtomicU64,
+    /// Slots refused as moving, and since when ([`MovingSlots`]).
+    moving: MovingSlots,
     /// The URL with any password replaced, for logs.
     pub display_url: String,
     /// Failed calls per node ([`topology`]).
@@ -297,6 +299,7 @@ impl Redis {
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
             heard: AtomicU64::new(0),
+            moving: MovingSlots::default(),
             display_url: redact_url(&cfg.url),
             node_failures: Default::default(),
             supervisor,
@@ -304,9 +307,10 @@ impl Redis {
         })
     }
 
-    /// How many script calls Redis has answered so far, refusals for a
+    /// How many decision calls Redis has answered so far, refusals for a
     /// slot being moved included: a Cluster moving a slot is answering,
-    /// not silent, even while the calls for that slot wait for it.
+    /// not silent, even while the calls for that slot wait for it. (Not a
+    /// heartbeat's answer: on a Cluster it may come from another node.)
     pub fn heard(&self) -> u64 {
         self.heard.load(Ordering::Relaxed)
     }
@@ -484,13 +488,29 @@ impl Redis {
                             (pause * 2).clamp(Duration::from_millis(1), Duration::from_millis(8));
                     }
                     Err(Attempt::Moving(why)) => {
-                        return Err(CallError::SlotMoving(format!(
-                            "{}: {why}",
+                        let slot = keys.first().map_or(0, Key::cluster_hash);
+                        let now = std::time::Instant::now();
+                        if self.moving.refused(slot, started, now) {
+                            return Err(CallError::SlotMoving(format!(
+                                "{}: {why}",
+                                self.display_url
+                            )));
+                        }
+                        // Stuck, not moving (say a reshard that died
+                        // midway): unreachable, as far as its calls go.
+                        return Err(CallError::NotConnected(format!(
+                            "{} (slot {slot} refused as moving for over {STUCK_MOVING:?}: {why})",
                             self.display_url
-                        )))
+                        )));
                     }
                     Err(Attempt::Failed(e)) => return Err(e),
-                    Ok(v) => return Ok(v),
+                    Ok(v) => {
+                        if self.is_cluster() {
+                            self.moving
+                                .answered(keys.first().map_or(0, Key::cluster_hash));
+                        }
+                        return Ok(v);
+                    }
                 }
             }
         };
@@ -571,7 +591,10 @@ impl Redis {
             }
             other => other,
         };
-        if result.as_ref().map_or_else(moving_slot, |_| true) {
+        // Decision calls only: a heartbeat answered by one Cluster node
+        // says nothing of another that holds the decisions' keys.
+        if std::ptr::eq(script, &self.decide) && result.as_ref().map_or_else(moving_slot, |_| true)
+        {
             self.heard.fetch_add(1, Ordering::Relaxed);
         }
         match result {
@@ -695,6 +718,43 @@ enum Attempt {
 /// again for.
 const MOVING_RETRY: u32 = 10;
 
+/// How long a slot's calls may keep being refused as moving and still be
+/// a busy Cluster's (denied, no breaker failure). A reshard moves one slot
+/// in milliseconds, or seconds on a loaded machine; a slot refused for
+/// longer is stuck (a reshard that died midway, left in migrating state),
+/// and its calls fail as unreachable, so the breaker trips and leases
+/// decide rather than every request for it being denied.
+const STUCK_MOVING: Duration = Duration::from_secs(10);
+
+/// Slots whose calls are being refused as moving, each with the time its
+/// first refused call was sent; forgotten once a call for it is answered.
+/// At most one entry per Cluster slot.
+#[derive(Default)]
+struct MovingSlots(parking_lot::Mutex<std::collections::HashMap<u16, std::time::Instant>>);
+
+impl MovingSlots {
+    /// A call for `slot`, sent at `sent`, was refused for as long as it was
+    /// retried. True while the slot has been refused for at most
+    /// [`STUCK_MOVING`] (counted from the earliest such call); false once
+    /// it is stuck.
+    fn refused(&self, slot: u16, sent: std::time::Instant, now: std::time::Instant) -> bool {
+        let mut slots = self.0.lock();
+        let since = slots.entry(slot).or_insert(sent);
+        if sent < *since {
+            *since = sent;
+        }
+        now.saturating_duration_since(*since) <= STUCK_MOVING
+    }
+
+    /// A call for `slot` was answered: it has moved.
+    fn answered(&self, slot: u16) {
+        let mut slots = self.0.lock();
+        if !slots.is_empty() {
+            slots.remove(&slot);
+        }
+    }
+}
+
 /// A Cluster's refusal to run a command because its slot is being moved,
 /// which means it did not run: a redirection not followed (MOVED: the slot
 /// has moved, and fred has read the new map; ASK: it is moving) or
@@ -749,6 +809,27 @@ fn integers(value: Value) -> Result<Vec<i64>, CallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A slot being moved is excused for STUCK_MOVING from its first
+    /// refused call, then is stuck; an answered call forgets it, and other
+    /// slots keep their own clocks.
+    #[test]
+    fn a_slot_refused_as_moving_for_too_long_is_stuck() {
+        let moving = MovingSlots::default();
+        let t0 = std::time::Instant::now();
+        let later = |d: Duration| t0 + d;
+        assert!(moving.refused(7, t0, later(Duration::from_millis(50))));
+        assert!(moving.refused(7, later(Duration::from_secs(5)), later(STUCK_MOVING)));
+        assert!(!moving.refused(
+            7,
+            later(Duration::from_secs(9)),
+            later(STUCK_MOVING + Duration::from_millis(1))
+        ));
+        assert!(moving.refused(8, later(STUCK_MOVING), later(STUCK_MOVING)));
+        moving.answered(7);
+        let t1 = later(STUCK_MOVING * 2);
+        assert!(moving.refused(7, t1, t1 + Duration::from_millis(50)));
+    }
 
     #[test]
     fn passwords_are_redacted() {

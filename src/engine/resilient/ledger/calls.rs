@@ -15,7 +15,8 @@ pub struct CallInputs {
     pub expected: i64,
     /// Local grants in the window Redis does not hold yet.
     pub pending: i64,
-    /// Nothing pending and not suspect: the replica may prove itself.
+    /// Nothing pending, not suspect, and the window's last replay not in
+    /// doubt: the replica may prove itself.
     pub settled: bool,
     /// The demand share of the previous window is known already.
     pub demand_known: bool,
