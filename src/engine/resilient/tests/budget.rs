@@ -125,16 +125,7 @@ async fn a_slot_being_moved_is_no_breaker_failure() {
 #[tokio::test(start_paused = true)]
 async fn a_key_turned_suspect_after_routing_sends_no_call() {
     let rig = Rig::new();
-    let batch = crate::domain::Batch {
-        charges: vec![crate::domain::Charge {
-            key: rig.key("a"),
-            spec: rig.spec,
-            hits: 1,
-            refund: false,
-            role: crate::limit::Role::Enforce,
-        }],
-        never_deny: false,
-    };
+    let batch = rig.batch("a");
     let now = crate::clock::Clock::now_ms(rig.clock.as_ref());
     let ledger = rig.engine.ledger();
     ledger.mark_suspect(&rig.key("a"), &rig.spec, now, now);
@@ -180,16 +171,7 @@ async fn a_call_whose_client_went_away_still_finishes() {
 #[tokio::test(start_paused = true)]
 async fn a_take_back_is_never_carried_as_a_negative_count() {
     let rig = Rig::new();
-    let batch = crate::domain::Batch {
-        charges: vec![crate::domain::Charge {
-            key: rig.key("a"),
-            spec: rig.spec,
-            hits: 1,
-            refund: false,
-            role: crate::limit::Role::Enforce,
-        }],
-        never_deny: false,
-    };
+    let batch = rig.batch("a");
     let now = crate::clock::Clock::now_ms(rig.clock.as_ref());
     let taken_back = rig.engine.presume(&batch, now, &[(-1, false, false)]);
     assert_eq!(taken_back.charges[0].pending, 0);

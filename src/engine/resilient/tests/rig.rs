@@ -307,18 +307,23 @@ impl Rig {
         CounterKey::new("d", [("user", v)], &self.spec)
     }
 
-    pub(super) async fn hit(&mut self, v: &str) -> DecisionPath {
-        let key = self.key(v);
-        let batch = Batch {
+    /// One enforced hit on the rig's spec for value `v`.
+    pub(super) fn batch(&self, v: &str) -> Batch {
+        Batch {
             charges: vec![Charge {
-                key: key.clone(),
+                key: self.key(v),
                 spec: self.spec,
                 hits: 1,
                 refund: false,
                 role: Role::Enforce,
             }],
             never_deny: false,
-        };
+        }
+    }
+
+    pub(super) async fn hit(&mut self, v: &str) -> DecisionPath {
+        let key = self.key(v);
+        let batch = self.batch(v);
         let outcome = self.engine.apply(&batch).await.expect("never an error");
         if !outcome.denied {
             *self.granted.entry(key).or_default() += 1;
