@@ -210,8 +210,9 @@ impl Redis {
 
 /// One script call's keys and arguments for a batch's requests, in
 /// order: the header once, the number of entries, then each entry. A run
-/// of requests equal in keys and body bar the call id (the usual case for
-/// a hot key) goes as one entry, a group whose shape says how many it
+/// of requests equal in keys and body bar the call id and expected counts
+/// (the usual case for a hot key; see [`keep_lowest_expected`]) goes as
+/// one entry, a group whose shape says how many it
 /// stands for: Redis decides its members one after the other as if each
 /// had been sent alone, and replies for each, but reads their arguments
 /// once and decides the members after the first without redoing what
@@ -232,6 +233,7 @@ fn pack(calls: Vec<DecideArgs>) -> (Vec<String>, Vec<Value>) {
         } else if let Some((k, b, times)) = entries.last_mut() {
             if call.repeatable && same_request(&keys[*k..], &args[*b..], &call) {
                 *times += 1;
+                keep_lowest_expected(&mut args[*b..], &call.body);
                 continue;
             }
         }
@@ -254,12 +256,37 @@ fn pack(calls: Vec<DecideArgs>) -> (Vec<String>, Vec<Value>) {
 }
 
 /// Whether `call` is the request whose keys and body are `keys` and
-/// `body`, bar its call id (the body's second item).
+/// `body`, bar its call id (the body's second item) and its expected
+/// counts (every other item from the fourth on).
 fn same_request(keys: &[String], body: &[Value], call: &DecideArgs) -> bool {
     keys == call.keys.as_slice()
         && body.len() == call.body.len()
         && body.first() == call.body.first()
-        && body.get(2..) == call.body.get(2..)
+        && call
+            .body
+            .iter()
+            .zip(body)
+            .skip(2)
+            .step_by(2)
+            .all(|(a, b)| a == b)
+}
+
+/// A group carries, per charge, the lowest expected count of its members.
+/// Each member's expected count is a floor this replica knows its field
+/// to be at or above (or -1, unknown), read when its request was made; a
+/// hot key's requests each read a higher one as answers come in, and
+/// would never group if it had to be equal. The lowest is a floor for
+/// every member, so a loss it reports is one each member alone would
+/// have reported: it may miss a loss smaller than the members' spread
+/// (the next call sees it), never report one that did not happen.
+fn keep_lowest_expected(group: &mut [Value], member: &[Value]) {
+    for (g, m) in group.iter_mut().zip(member).skip(3).step_by(2) {
+        if let (Value::Integer(a), Value::Integer(b)) = (&*g, m) {
+            if b < a {
+                *g = Value::Integer(*b);
+            }
+        }
+    }
 }
 
 /// Gives each caller its answer: directly to those waiting on this
@@ -447,11 +474,21 @@ mod tests {
         want.extend(entry("1,1,0", "c7", log));
         want.extend(entry("1,1,0", "c8", log));
         assert_eq!(texts(&args), want);
-        // Another expected count is another request.
-        let mut other = request("a", "c2", fixed, true);
-        other.body[3] = Value::Integer(6);
-        let (_, args) = pack(vec![request("a", "c1", fixed, true), other]);
-        assert_eq!(texts(&args)[6], "2");
+        // Another expected count is the same request: the group carries
+        // the lowest (a floor for each member), -1 (unknown) included.
+        let expecting = |id: &str, n: i64| {
+            let mut r = request("a", id, fixed, true);
+            r.body[3] = Value::Integer(n);
+            r
+        };
+        let (_, args) = pack(vec![
+            expecting("c1", 6),
+            expecting("c2", 4),
+            expecting("c3", 9),
+        ]);
+        assert_eq!(texts(&args)[6..], ["1", "1,1,0,3", "c1", fixed, "4"]);
+        let (_, args) = pack(vec![expecting("c1", 6), expecting("c2", -1)]);
+        assert_eq!(texts(&args)[10], "-1");
     }
 
     #[test]

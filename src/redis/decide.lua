@@ -15,9 +15,11 @@
 -- then per request:
 --   its shape "<keys>,<charges>,<never_deny>[,<times>]": how many KEYS it
 --       has, how many charges, "1" in global shadow mode, and how many
---       identical requests it stands for (1 when absent): a group, whose
---       members are decided one after the other as if each had been sent
---       on its own and each get their own reply (never with a
+--       requests it stands for (1 when absent): a group of requests
+--       equal bar their call ids and expected counts (it carries the
+--       lowest, a floor for each), whose members are decided one after
+--       the other as if each had been sent on its own and each get their
+--       own reply (never with a
 --       sliding-log charge, whose members take their ids from the call
 --       id)
 --   its call id, unique per replica incarnation (sliding-log member ids)
