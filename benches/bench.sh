@@ -89,7 +89,10 @@ cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/s
 # ceiling row's (CEILING_RPS, when set; a row labelled "ceiling" sets it). On a
 # machine whose speed drifts between runs, the CPU per decision is the
 # steadier figure. With "redis", Redis CPU and commands per 1000
-# decisions too.
+# decisions too. A ceiling row that follows another row also prints that
+# row's ratios to the mean of the two ceilings around it (requests/s, p99,
+# p99.9): this machine's speed drifts within a run, and a row measured
+# between two ceilings is compared with the ceiling of its own minutes.
 row() {
   local label=$1 pid=$2 addr=$3 keys=$4 key=${5:-key} redis=${6:-}
   local c0 c1 r0 r1 k0 k1 r
@@ -98,7 +101,21 @@ row() {
   r=$(bench "$addr" "$keys" "$key")
   c1=$(cpu_of "$pid")
   if [ -n "$redis" ]; then r1=$(redis_cpu); k1=$(redis_calls); else r1=0; r0=0; k1=0; k0=0; fi
-  case $label in *ceiling*) CEILING_RPS=$(echo "$r" | python3 -c 'import json,sys; print(json.load(sys.stdin)["requests_per_second"])');; esac
+  case $label in
+    *ceiling*)
+      if [ -n "${CEILING_JSON:-}" ] && [ -n "${LAST_JSON:-}" ]; then
+        python3 -c '
+import json, sys
+a, b, row = (json.loads(x) for x in sys.argv[1:4])
+m = lambda k: (a[k] + b[k]) / 2
+print("  %s %.2f x the ceilings around it in req/s, p99 %.2f x, p99.9 %.2f x" % (
+    sys.argv[4], row["requests_per_second"] / m("requests_per_second"),
+    row["p99_us"] / m("p99_us"), row["p999_us"] / m("p999_us")))' "$CEILING_JSON" "$r" "$LAST_JSON" "$LAST_LABEL"
+      fi
+      CEILING_JSON=$r; LAST_JSON=
+      CEILING_RPS=$(echo "$r" | python3 -c 'import json,sys; print(json.load(sys.stdin)["requests_per_second"])');;
+    *) LAST_JSON=$r; LAST_LABEL=$label;;
+  esac
   echo "$r" | python3 -c '
 import json, sys
 label, c0, c1, ceiling, redis, r0, r1, k0, k1 = sys.argv[1:]
@@ -130,13 +147,20 @@ redis)
   # A generous deadline: this measures the Redis path, not the fallback.
   LEASEHOLD_REDIS_DEADLINE_MS=${DEADLINE_MS:-100} start_leasehold red --redis-url "redis://127.0.0.1:$REDIS_PORT" --replica-id bench-1
   CO_PORT=$(free_port); target/release/examples/constant_ok "127.0.0.1:$CO_PORT" & CO_PID=$!; PIDS+=("$CO_PID"); sleep 0.5
+  # Each measured row between two ceiling rows (see row()).
   for keys in 1 10000; do
     row "keys=$keys ceiling (constant-OK):" "$CO_PID" "$CO_PORT" $keys
     row "keys=$keys memory:" "$PID_mem" "$GRPC_mem" $keys
+    row "keys=$keys ceiling (constant-OK):" "$CO_PID" "$CO_PORT" $keys
     row "keys=$keys redis:" "$PID_red" "$GRPC_red" $keys key redis
+    row "keys=$keys ceiling (constant-OK):" "$CO_PID" "$CO_PORT" $keys
     # One hot key over its limit (1 per minute): denied from the over-limit
     # cache after Redis's first denial, refreshed every over_limit_cache_ms.
-    if [ "$keys" = 1 ]; then row "over-limit hot key, redis:" "$PID_red" "$GRPC_red" 1 over redis; fi
+    if [ "$keys" = 1 ]; then
+      row "over-limit hot key, redis:" "$PID_red" "$GRPC_red" 1 over redis
+      row "keys=$keys ceiling (constant-OK):" "$CO_PID" "$CO_PORT" $keys
+    fi
+    CEILING_JSON=
   done
   # Four replicas on the one Redis, one hot key, 16 in flight to each (64
   # in all): requests/s summed, the worst replica's percentiles.
