@@ -276,9 +276,10 @@ fn same_request(keys: &[String], body: &[Value], call: &DecideArgs) -> bool {
 /// to be at or above (or -1, unknown), read when its request was made; a
 /// hot key's requests each read a higher one as answers come in, and
 /// would never group if it had to be equal. The lowest is a floor for
-/// every member, so a loss it reports is one each member alone would
-/// have reported: it may miss a loss smaller than the members' spread
-/// (the next call sees it), never report one that did not happen.
+/// every member and at most the first member's (the one Redis checks it
+/// for), so a loss it reports is one the first member alone would have
+/// reported: it may miss a loss smaller than the members' spread (the
+/// next call sees it), never report one that did not happen.
 fn keep_lowest_expected(group: &mut [Value], member: &[Value]) {
     for (g, m) in group.iter_mut().zip(member).skip(3).step_by(2) {
         if let (Value::Integer(a), Value::Integer(b)) = (&*g, m) {
