@@ -342,374 +342,367 @@ end
 -- counted them.
 local incr, order = {}, {}
 
--- The window charge decide() went through last, for the members of a
--- group after its first (`repeat_window`).
+-- The window charge the last request decided went through, for the
+-- members of a group after its first (see the main loop).
 local last_cur, last_key, last_weighted, last_expire_at, last_reset, last_own, last_total
-
--- One request's decision: its keys follow KEYS[ko], its arguments
--- ARGV[ao] (its shape). Appends its reply to `out` after index `nout` and
--- returns the new end.
-local function decide(ko, ao, shape, out, nout)
-  serial = serial + 1
-  ntouched, nmeta, nwr = 0, 0, 0
-  local call_id = ARGV[ao + 1]
-  local n = shape.charges
-  local stale = false
-  local lost = false
-
-  for i = 1, n do
-    local o = ao + 2 * i
-    local s = ARGV[o]
-    local ch = charges[s] or charge_of(s)
-    local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
-    local refund = ch.refund
-    local expected = tonumber(ARGV[o + 1])
-    local expected_w = ch.expected_w
-    roles[i] = ch.role
-    local base = KEYS[ko + i]
-    local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
-
-    if algo == 1 or algo == 2 then
-      local w = (now - now % unit) / unit
-      -- A take-back is decided in window expected_w, the one the charge
-      -- it reverses landed in, whatever the time now.
-      local pinned = ch.pinned
-      if pinned then w = expected_w end
-      local per = window_keys[base]
-      local key = per and per[w] or window_key(base, w)
-      local cur = windows[key] or read_window(key)
-      if cur.mark ~= serial then
-        cur.mark = serial
-        ntouched = ntouched + 1
-        touched[ntouched] = cur
-        cur.b_total, cur.b_own = cur.total, cur.own
-      end
-      if cur.fence > epoch then stale = true end
-      if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
-      local weighted = 0
-      -- The previous window is complete, so every replica reads the same
-      -- totals for it: demand shares taken from it add up to exactly 1. A
-      -- fixed window reads it only for those shares, so not when the caller
-      -- has them already (it then gets no demand back, and keeps its own).
-      local prev = nil
-      if algo == 2 or not ch.demand_known then
-        prev = window(window_key(base, w - 1))
-      end
-      if algo == 2 then
-        if prev.fence > epoch then stale = true end
-        if prev.total > 0 and not pinned then
-          weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
-        end
-      end
-      local expire_at = (w + 1) * unit + margin
-      if algo == 2 then expire_at = expire_at + unit end
-      -- What the other replicas off Redis still hold of their leases, or may
-      -- hold unseen, counts as used here, so it is not granted twice (a
-      -- presumption only after a failure, or to prove a window).
-      local count = cur.total + ch.pending + cur.held
-      local fraction = ch.fraction
-      if fraction > 0 or (ch.prove and cur.x) then
-        count = count + presumed(key, cur, fraction, limit, ch.prove, expire_at)
-      end
-      local estimate = weighted + count
-      local after
-      if refund then
-        local left = cur.total - hits
-        if left < 0 then left = 0 end
-        delta = left - cur.total
-        after = weighted + left + cur.held
-      else
-        delta = hits
-        after = estimate + hits
-        if after > limit then over = 1 end
-      end
-      rem_now = limit - estimate
-      if rem_now < 0 then rem_now = 0 end
-      if over == 0 and limit > after then rem_after = limit - after end
-      reset = (w + 1) * unit - now
-      cur.total = cur.total + delta
-      cur.own = cur.own + delta
-      -- Demand shares only from a window every replica decided on Redis:
-      -- shares taken from incomplete totals could add up to more than 1.
-      if prev == nil or prev.troubled then
-        own = -1
-      else
-        own = prev.own + prev.own_local
-        total = prev.total
-      end
-      last_cur, last_key, last_weighted, last_expire_at = cur, key, weighted, expire_at
-      last_reset, last_own, last_total = reset, own, total
-      if delta ~= 0 then
-        local at = nwr * 8
-        nwr = nwr + 1
-        wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5] =
-          'hincr', key, delta, expire_at, cur.exists
-      end
-    elseif algo == 3 then
-      -- Sliding log: one member per hit, scored by time; member ids are
-      -- "<replica>:<call id>:<charge>:<n>", so replaying a call is a no-op.
-      local st = windows[base]
-      if not st then
-        redis.call('ZREMRANGEBYSCORE', base, '-inf', now - unit)
-        st = {count = redis.call('ZCARD', base)}
-        windows[base] = st
-      end
-      touch(st)
-      local count = st.count
-      local after
-      -- One member per hit: a charge of more than 10000 hits (the
-      -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
-      -- refund takes at most that many.
-      if refund then
-        local k = min(hits, count, 10000)
-        after = count - k
-        if k > 0 then write('zpop', base, k) end
-        delta = -k
-      else
-        after = count + hits
-        local too_big = hits > 10000
-        if after > limit or too_big then over = 1 end
-        -- Past the limit (shadow) the log saturates at limit + 1 members.
-        local m = min(hits, max(0, limit + 1 - count))
-        if too_big then m = 0 end
-        if m > 0 then
-          write('zadd', base, m, i, now + unit + margin)
-        end
-        delta = m
-      end
-      -- What the log holds now (a charge past the limit adds fewer
-      -- members than hits), for the requests after this one.
-      st.count = count + delta
-      rem_now = max(0, limit - count)
-      rem_after = (over == 1) and 0 or max(0, limit - after)
-      local oldest = redis.call('ZRANGE', base, 0, 0, 'WITHSCORES')
-      local first = tonumber(oldest[2]) or now
-      if count == 0 and after > 0 then first = now end
-      reset = max(1, first + unit - now)
-      own = -1
-      total = after
-    else
-      -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
-      -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
-      -- demand shares and replay.
-      local burst = ch.burst
-      local st = windows[base]
-      if not st then
-        local v = redis.call('HMGET', base, 't', 'u', fence_field)
-        st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now,
-              fence = tonumber(v[3]) or 0}
-        windows[base] = st
-      end
-      touch(st)
-      -- Every request of the call checks the fence, not only the first.
-      if st.fence > epoch then stale = true end
-      local elapsed = max(0, now - st.updated)
-      local rate = limit / unit
-      local tokens_now = min(burst, st.tokens + elapsed * rate)
-      local after
-      if refund then
-        after = min(burst, tokens_now + hits)
-      else
-        if hits > tokens_now then over = 1 end
-        after = max(0, tokens_now - hits)
-      end
-      local full_in
-      if limit == 0 then
-        full_in = unit
-      elseif after >= burst then
-        full_in = 0
-      else
-        full_in = math.ceil((burst - after) * unit / limit)
-      end
-      st.tokens = after
-      st.updated = now
-      rem_now = floor(tokens_now)
-      rem_after = (over == 1) and 0 or floor(after)
-      reset = max(1, full_in)
-      local w = floor(now / unit)
-      local ckey = window_key(base, w)
-      local use = window(ckey)
-      if expected >= 0 and w == expected_w and use.own < expected then lost = true end
-      -- What this charge drew from the bucket: its hits when admitted, what
-      -- was left when charged past empty (shadow); always an integer.
-      local consumed = 0
-      if not refund then
-        if over == 1 then consumed = floor(tokens_now) else consumed = hits end
-      end
-      use.total = use.total + consumed
-      use.own = use.own + consumed
-      local prev_use = window(window_key(base, w - 1))
-      own = prev_use.own + prev_use.own_local
-      total = prev_use.total
-      delta = consumed
-      write('bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin)
-    end
-    r_over[i], r_rem_now[i], r_rem_after[i], r_reset[i] = over, rem_now, rem_after, reset
-    r_own[i], r_total[i], r_delta[i] = own, total, delta
-  end
-
-  if stale then
-    undo(true)
-    out[nout + 1] = -1
-    return nout + 1
-  end
-
-  -- Announcements and proofs are facts about who decides where, written
-  -- whether or not the request is admitted.
-  for k = 1, nmeta do
-    local m = meta[k]
-    if m[4] then
-      redis.call('HSET', m[1], m[2], m[3], m[4], m[5])
-    else
-      redis.call('HSET', m[1], m[2], m[3])
-    end
-    if redis.call('PTTL', m[1]) < 0 then redis.call('PEXPIREAT', m[1], m[6]) end
-  end
-
-  local enforce_over = false
-  local quota_seen = false
-  local quota_all_over = true
-  for i = 1, n do
-    local is_over = r_over[i] == 1
-    local role = roles[i]
-    if role == 0 then
-      if is_over then enforce_over = true end
-    elseif role == 2 then
-      quota_seen = true
-      if not is_over then quota_all_over = false end
-    end
-  end
-  local denied = (not shape.never_deny) and (enforce_over or (quota_seen and quota_all_over))
-
-  if denied then
-    undo(false)
-  else
-    for k = 0, nwr - 1 do
-      local at = k * 8
-      local kind, a, b, c, d, e, f, g =
-        wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
-      if kind == 'hincr' then
-        -- a key, b delta, c expire_at, d whether the hash existed
-        local p = incr[a]
-        if not p then
-          p = {delta = 0, expire_at = c, exists = d}
-          incr[a] = p
-          order[#order + 1] = a
-        end
-        p.delta = p.delta + b
-      elseif kind == 'zadd' then
-        -- a key, b members, c charge index, d expire_at. In chunks:
-        -- unpack() has a small stack limit.
-        local args = {}
-        for j = 1, b do
-          args[#args + 1] = now
-          args[#args + 1] = me .. ':' .. call_id .. ':' .. c .. ':' .. j
-          if #args >= 1000 or j == b then
-            redis.call('ZADD', a, unpack(args))
-            args = {}
-          end
-        end
-        redis.call('PEXPIREAT', a, d)
-      elseif kind == 'zpop' then
-        redis.call('ZPOPMAX', a, b)
-      elseif kind == 'bucket' then
-        -- a key, b tokens, c updated, d ttl, e window key, f consumed,
-        -- g window expire_at
-        redis.call('HSET', a, 't', string.format('%.17g', b), 'u', c)
-        redis.call('PEXPIRE', a, d)
-        if f > 0 then
-          redis.call('HINCRBY', e, me, f)
-          redis.call('PEXPIREAT', e, g)
-        end
-      end
-    end
-  end
-
-  local status = 0
-  if denied then status = 1 end
-  if lost then status = status + 2 end
-  out[nout + 1] = status
-  nout = nout + 1
-  for i = 1, n do
-    local remaining = r_rem_after[i]
-    if r_over[i] == 1 then
-      remaining = -1
-    elseif denied then
-      remaining = r_rem_now[i]
-    end
-    local delta = r_delta[i]
-    if denied then delta = 0 end
-    out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r_reset[i], r_own[i]
-    out[nout + 4], out[nout + 5] = r_total[i], delta
-    nout = nout + 5
-  end
-  return nout
-end
-
--- Decides the `m` members of a group after its first, which decide()
--- has just decided: one fixed or sliding window charge, not a refund or a
--- take-back, no presumption, neither stale nor lost. For each of them
--- decide() would find the same window, fence, weight of the previous
--- window, reset and demand, no announcement or proof to make (the first
--- made it), and a count raised by what the members before it were
--- granted; so this is decide() for that case, without its bookkeeping.
--- Appends each member's reply as the main loop does.
-local function repeat_window(ch, never_deny, m, out, nout)
-  local cur, limit, hits = last_cur, ch.limit, ch.hits
-  local used = last_weighted + ch.pending + cur.held
-  local may_deny = not never_deny and ch.role ~= 1
-  local reset, own, total = last_reset, last_own, last_total
-  local count = cur.total
-  for _ = 1, m do
-    local after = used + count + hits
-    local status, remaining, delta = 0, 0, hits
-    if after > limit then
-      remaining = -1
-      if may_deny then status, delta = 1, 0 end
-    elseif limit > after then
-      remaining = limit - after
-    end
-    count = count + delta
-    out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = 6, status, remaining, reset
-    out[nout + 5], out[nout + 6], out[nout + 7] = own, total, delta
-    nout = nout + 7
-  end
-  local added = count - cur.total
-  if added ~= 0 then
-    local p = incr[last_key]
-    if not p then
-      p = {delta = 0, expire_at = last_expire_at, exists = cur.exists}
-      incr[last_key] = p
-      order[#order + 1] = last_key
-    end
-    p.delta = p.delta + added
-    cur.total = count
-    cur.own = cur.own + added
-  end
-  return nout
-end
 
 local out = {}
 local nout = 0
 local ko, ao = 0, 8
 for _ = 1, tonumber(ARGV[7]) do
-  local s = ARGV[ao]
-  local shape = shapes[s] or shape_of(s)
-  local at = nout + 1
-  nout = decide(ko, ao, shape, out, at)
-  out[at] = nout - at
+  local shape = shapes[ARGV[ao]] or shape_of(ARGV[ao])
   local times = shape.times
-  if times > 1 then
-    local ch = shape.charges == 1 and charges[ARGV[ao + 2]]
-    local status = out[at + 1]
-    if ch and (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
-        and ch.fraction <= 0 and (status == 0 or status == 1) then
-      nout = repeat_window(ch, shape.never_deny, times - 1, out, nout)
+  local member = 0
+  while member < times do
+    member = member + 1
+    -- One request's decision: its keys follow KEYS[ko], its arguments
+    -- ARGV[ao] (its shape); its reply goes to `out` after its length at
+    -- `at`. Written inline, not as a function: a function made per call
+    -- captures most of the chunk's locals, and making it (Lua walks its
+    -- open upvalues for each) cost more than a request's arithmetic.
+    local at = nout + 1
+    nout = at
+    serial = serial + 1
+    ntouched, nmeta, nwr = 0, 0, 0
+    local call_id = ARGV[ao + 1]
+    local n = shape.charges
+    local stale = false
+    local lost = false
+
+    for i = 1, n do
+      local o = ao + 2 * i
+      local s = ARGV[o]
+      local ch = charges[s] or charge_of(s)
+      local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
+      local refund = ch.refund
+      local expected = tonumber(ARGV[o + 1])
+      local expected_w = ch.expected_w
+      roles[i] = ch.role
+      local base = KEYS[ko + i]
+      local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
+
+      if algo == 1 or algo == 2 then
+        local w = (now - now % unit) / unit
+        -- A take-back is decided in window expected_w, the one the charge
+        -- it reverses landed in, whatever the time now.
+        local pinned = ch.pinned
+        if pinned then w = expected_w end
+        local per = window_keys[base]
+        local key = per and per[w] or window_key(base, w)
+        local cur = windows[key] or read_window(key)
+        if cur.mark ~= serial then
+          cur.mark = serial
+          ntouched = ntouched + 1
+          touched[ntouched] = cur
+          cur.b_total, cur.b_own = cur.total, cur.own
+        end
+        if cur.fence > epoch then stale = true end
+        if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
+        local weighted = 0
+        -- The previous window is complete, so every replica reads the same
+        -- totals for it: demand shares taken from it add up to exactly 1. A
+        -- fixed window reads it only for those shares, so not when the caller
+        -- has them already (it then gets no demand back, and keeps its own).
+        local prev = nil
+        if algo == 2 or not ch.demand_known then
+          prev = window(window_key(base, w - 1))
+        end
+        if algo == 2 then
+          if prev.fence > epoch then stale = true end
+          if prev.total > 0 and not pinned then
+            weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
+          end
+        end
+        local expire_at = (w + 1) * unit + margin
+        if algo == 2 then expire_at = expire_at + unit end
+        -- What the other replicas off Redis still hold of their leases, or may
+        -- hold unseen, counts as used here, so it is not granted twice (a
+        -- presumption only after a failure, or to prove a window).
+        local count = cur.total + ch.pending + cur.held
+        local fraction = ch.fraction
+        if fraction > 0 or (ch.prove and cur.x) then
+          count = count + presumed(key, cur, fraction, limit, ch.prove, expire_at)
+        end
+        local estimate = weighted + count
+        local after
+        if refund then
+          local left = cur.total - hits
+          if left < 0 then left = 0 end
+          delta = left - cur.total
+          after = weighted + left + cur.held
+        else
+          delta = hits
+          after = estimate + hits
+          if after > limit then over = 1 end
+        end
+        rem_now = limit - estimate
+        if rem_now < 0 then rem_now = 0 end
+        if over == 0 and limit > after then rem_after = limit - after end
+        reset = (w + 1) * unit - now
+        cur.total = cur.total + delta
+        cur.own = cur.own + delta
+        -- Demand shares only from a window every replica decided on Redis:
+        -- shares taken from incomplete totals could add up to more than 1.
+        if prev == nil or prev.troubled then
+          own = -1
+        else
+          own = prev.own + prev.own_local
+          total = prev.total
+        end
+        last_cur, last_key, last_weighted, last_expire_at = cur, key, weighted, expire_at
+        last_reset, last_own, last_total = reset, own, total
+        if delta ~= 0 then
+          local at = nwr * 8
+          nwr = nwr + 1
+          wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5] =
+            'hincr', key, delta, expire_at, cur.exists
+        end
+      elseif algo == 3 then
+        -- Sliding log: one member per hit, scored by time; member ids are
+        -- "<replica>:<call id>:<charge>:<n>", so replaying a call is a no-op.
+        local st = windows[base]
+        if not st then
+          redis.call('ZREMRANGEBYSCORE', base, '-inf', now - unit)
+          st = {count = redis.call('ZCARD', base)}
+          windows[base] = st
+        end
+        touch(st)
+        local count = st.count
+        local after
+        -- One member per hit: a charge of more than 10000 hits (the
+        -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
+        -- refund takes at most that many.
+        if refund then
+          local k = min(hits, count, 10000)
+          after = count - k
+          if k > 0 then write('zpop', base, k) end
+          delta = -k
+        else
+          after = count + hits
+          local too_big = hits > 10000
+          if after > limit or too_big then over = 1 end
+          -- Past the limit (shadow) the log saturates at limit + 1 members.
+          local m = min(hits, max(0, limit + 1 - count))
+          if too_big then m = 0 end
+          if m > 0 then
+            write('zadd', base, m, i, now + unit + margin)
+          end
+          delta = m
+        end
+        -- What the log holds now (a charge past the limit adds fewer
+        -- members than hits), for the requests after this one.
+        st.count = count + delta
+        rem_now = max(0, limit - count)
+        rem_after = (over == 1) and 0 or max(0, limit - after)
+        local oldest = redis.call('ZRANGE', base, 0, 0, 'WITHSCORES')
+        local first = tonumber(oldest[2]) or now
+        if count == 0 and after > 0 then first = now end
+        reset = max(1, first + unit - now)
+        own = -1
+        total = after
+      else
+        -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
+        -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
+        -- demand shares and replay.
+        local burst = ch.burst
+        local st = windows[base]
+        if not st then
+          local v = redis.call('HMGET', base, 't', 'u', fence_field)
+          st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now,
+                fence = tonumber(v[3]) or 0}
+          windows[base] = st
+        end
+        touch(st)
+        -- Every request of the call checks the fence, not only the first.
+        if st.fence > epoch then stale = true end
+        local elapsed = max(0, now - st.updated)
+        local rate = limit / unit
+        local tokens_now = min(burst, st.tokens + elapsed * rate)
+        local after
+        if refund then
+          after = min(burst, tokens_now + hits)
+        else
+          if hits > tokens_now then over = 1 end
+          after = max(0, tokens_now - hits)
+        end
+        local full_in
+        if limit == 0 then
+          full_in = unit
+        elseif after >= burst then
+          full_in = 0
+        else
+          full_in = math.ceil((burst - after) * unit / limit)
+        end
+        st.tokens = after
+        st.updated = now
+        rem_now = floor(tokens_now)
+        rem_after = (over == 1) and 0 or floor(after)
+        reset = max(1, full_in)
+        local w = floor(now / unit)
+        local ckey = window_key(base, w)
+        local use = window(ckey)
+        if expected >= 0 and w == expected_w and use.own < expected then lost = true end
+        -- What this charge drew from the bucket: its hits when admitted, what
+        -- was left when charged past empty (shadow); always an integer.
+        local consumed = 0
+        if not refund then
+          if over == 1 then consumed = floor(tokens_now) else consumed = hits end
+        end
+        use.total = use.total + consumed
+        use.own = use.own + consumed
+        local prev_use = window(window_key(base, w - 1))
+        own = prev_use.own + prev_use.own_local
+        total = prev_use.total
+        delta = consumed
+        write('bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin)
+      end
+      r_over[i], r_rem_now[i], r_rem_after[i], r_reset[i] = over, rem_now, rem_after, reset
+      r_own[i], r_total[i], r_delta[i] = own, total, delta
+    end
+    if stale then
+      undo(true)
+      out[nout + 1] = -1
+      nout = nout + 1
     else
-      for _ = 2, times do
-        at = nout + 1
-        nout = decide(ko, ao, shape, out, at)
-        out[at] = nout - at
+
+      -- Announcements and proofs are facts about who decides where, written
+      -- whether or not the request is admitted.
+      for k = 1, nmeta do
+        local m = meta[k]
+        if m[4] then
+          redis.call('HSET', m[1], m[2], m[3], m[4], m[5])
+        else
+          redis.call('HSET', m[1], m[2], m[3])
+        end
+        if redis.call('PTTL', m[1]) < 0 then redis.call('PEXPIREAT', m[1], m[6]) end
+      end
+
+      local enforce_over = false
+      local quota_seen = false
+      local quota_all_over = true
+      for i = 1, n do
+        local is_over = r_over[i] == 1
+        local role = roles[i]
+        if role == 0 then
+          if is_over then enforce_over = true end
+        elseif role == 2 then
+          quota_seen = true
+          if not is_over then quota_all_over = false end
+        end
+      end
+      local denied = (not shape.never_deny) and (enforce_over or (quota_seen and quota_all_over))
+
+      if denied then
+        undo(false)
+      else
+        for k = 0, nwr - 1 do
+          local at = k * 8
+          local kind, a, b, c, d, e, f, g =
+            wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
+          if kind == 'hincr' then
+            -- a key, b delta, c expire_at, d whether the hash existed
+            local p = incr[a]
+            if not p then
+              p = {delta = 0, expire_at = c, exists = d}
+              incr[a] = p
+              order[#order + 1] = a
+            end
+            p.delta = p.delta + b
+          elseif kind == 'zadd' then
+            -- a key, b members, c charge index, d expire_at. In chunks:
+            -- unpack() has a small stack limit.
+            local args = {}
+            for j = 1, b do
+              args[#args + 1] = now
+              args[#args + 1] = me .. ':' .. call_id .. ':' .. c .. ':' .. j
+              if #args >= 1000 or j == b then
+                redis.call('ZADD', a, unpack(args))
+                args = {}
+              end
+            end
+            redis.call('PEXPIREAT', a, d)
+          elseif kind == 'zpop' then
+            redis.call('ZPOPMAX', a, b)
+          elseif kind == 'bucket' then
+            -- a key, b tokens, c updated, d ttl, e window key, f consumed,
+            -- g window expire_at
+            redis.call('HSET', a, 't', string.format('%.17g', b), 'u', c)
+            redis.call('PEXPIRE', a, d)
+            if f > 0 then
+              redis.call('HINCRBY', e, me, f)
+              redis.call('PEXPIREAT', e, g)
+            end
+          end
+        end
+      end
+
+      local status = 0
+      if denied then status = 1 end
+      if lost then status = status + 2 end
+      out[nout + 1] = status
+      nout = nout + 1
+      for i = 1, n do
+        local remaining = r_rem_after[i]
+        if r_over[i] == 1 then
+          remaining = -1
+        elseif denied then
+          remaining = r_rem_now[i]
+        end
+        local delta = r_delta[i]
+        if denied then delta = 0 end
+        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r_reset[i], r_own[i]
+        out[nout + 4], out[nout + 5] = r_total[i], delta
+        nout = nout + 5
+      end
+    end
+    out[at] = nout - at
+    if member == 1 and times > 1 then
+      local ch = shape.charges == 1 and charges[ARGV[ao + 2]]
+      local status = out[at + 1]
+      if ch and (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
+          and ch.fraction <= 0 and (status == 0 or status == 1) then
+        -- The `m` members of a group after its first, which was just
+        -- decided: one fixed or sliding window charge, not a refund or a
+        -- take-back, no presumption, neither stale nor lost. For each of
+        -- them the code above would find the same window, fence, weight of
+        -- the previous window, reset and demand, no announcement or proof
+        -- to make (the first made it), and a count raised by what the
+        -- members before it were granted; so this is that code for that
+        -- case, without its bookkeeping. Each member's reply is appended
+        -- as above.
+        local never_deny, m = shape.never_deny, times - 1
+        local cur, limit, hits = last_cur, ch.limit, ch.hits
+        local used = last_weighted + ch.pending + cur.held
+        local may_deny = not never_deny and ch.role ~= 1
+        local reset, own, total = last_reset, last_own, last_total
+        local count = cur.total
+        for _ = 1, m do
+          local after = used + count + hits
+          local status, remaining, delta = 0, 0, hits
+          if after > limit then
+            remaining = -1
+            if may_deny then status, delta = 1, 0 end
+          elseif limit > after then
+            remaining = limit - after
+          end
+          count = count + delta
+          out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = 6, status, remaining, reset
+          out[nout + 5], out[nout + 6], out[nout + 7] = own, total, delta
+          nout = nout + 7
+        end
+        local added = count - cur.total
+        if added ~= 0 then
+          local p = incr[last_key]
+          if not p then
+            p = {delta = 0, expire_at = last_expire_at, exists = cur.exists}
+            incr[last_key] = p
+            order[#order + 1] = last_key
+          end
+          p.delta = p.delta + added
+          cur.total = count
+          cur.own = cur.own + added
+        end
+        member = times
       end
     end
   end
