@@ -955,12 +955,16 @@ async fn the_over_limit_cache_answers_locally_and_sees_refunds_within_its_bound(
     );
 }
 
-/// Coalesced requests stay all-or-nothing each: 64 callers at once, half
+/// Coalesced requests stay all-or-nothing each: 16 callers at once, half
 /// sending `[a]` alone (always room), half `[a, b]` where `b` admits one
 /// per minute, so all but the first of those are denied and must charge
 /// `a` nothing, even in a batch with requests that pass. DEFAULT settings;
 /// the replica must actually have coalesced (more decisions sent than
-/// script calls).
+/// script calls), and Redis must have answered most calls within their
+/// budget. (With 64 callers on one connection a debug build's serving
+/// thread is saturated: most calls waited past the default 15 ms budget
+/// and were denied unanswered, so the test checked denials, not batches,
+/// and failed outright when the machine was busy.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_requests_stay_all_or_nothing_each() {
     let dir = test_dir("batch-aon");
@@ -973,7 +977,7 @@ async fn batched_requests_stay_all_or_nothing_each() {
     let window = now_ms() / 60_000;
     let c = client(&server).await;
     let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..64 {
+    for i in 0..16 {
         let mut c = c.clone();
         tasks.spawn(async move {
             let both = i % 2 == 1;
@@ -1001,9 +1005,6 @@ async fn batched_requests_stay_all_or_nothing_each() {
             a_only += n;
         }
     }
-    // (A call Redis does not answer within the budget is denied and its
-    // count taken back, so `a` alone may see a few denials here.)
-    assert!(a_only > 0);
     // How each decision was made, should this fail (a decision on the
     // lease, a breaker trip, a fenced call).
     let engine = || {
@@ -1013,6 +1014,20 @@ async fn batched_requests_stay_all_or_nothing_each() {
             s["engine"]["decisions"], s["engine"]["breaker"]
         )
     };
+    // (A call Redis does not answer within the budget is denied and its
+    // count taken back, so `a` alone may see a few denials here.)
+    assert!(
+        a_only > 0,
+        "no request for `a` alone was admitted: {}",
+        tokio::task::block_in_place(engine)
+    );
+    let decisions = tokio::task::block_in_place(|| server.status())["engine"]["decisions"].clone();
+    let answered = decisions["redis"].as_u64().unwrap_or(0);
+    let unanswered = decisions["unanswered_denials"].as_u64().unwrap_or(0);
+    assert!(
+        answered > 2 * unanswered,
+        "Redis answered too few calls within the budget to test batches: {decisions}"
+    );
     assert!(
         with_b <= 1,
         "`b` admits one per minute: {with_b}; {}",
