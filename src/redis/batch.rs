@@ -1,10 +1,8 @@
 //! Coalescing: decision calls bound for one connection that arrive while
 //! a call is in flight on it are sent together, as one script call that
 //! decides them one after the other (`decide.lua`; a lone call is a batch
-//! of one), each all-or-nothing on its own. A batch leaves after two
-//! turns of its runtime's scheduler, taking on what was queued for its
-//! slot meanwhile ([`GATHER_TURNS`]); on an idle connection that is no
-//! wait at all.
+//! of one), each all-or-nothing on its own. An idle connection sends a
+//! call at once.
 //!
 //! A script call carries what its requests share (the replica's index,
 //! epoch, failure episode and presumed members) once, so only calls with
@@ -43,17 +41,6 @@ use super::{integers, CallError, Redis};
 
 /// Requests per batch at most (and so per script call).
 pub const MAX_BATCH: usize = 32;
-
-/// Turns of its runtime's scheduler a batch lets pass before it leaves,
-/// then takes on the calls for its slot queued meanwhile. Under load the
-/// requests that the serving threads have already read are a turn or two
-/// from being queued: a batch that left at once took the first of them
-/// alone, and the rest waited a whole round trip behind it (on the hot
-/// key, a quarter of all script calls carried one request). On an idle
-/// runtime a turn is a poll of the driver, a microsecond or two, not a
-/// wait for anything. Measured on two cores: 18 requests per call became
-/// 27, Redis CPU per decision fell by a fifth, and throughput rose 5-15%.
-const GATHER_TURNS: usize = 2;
 
 type Reply = Result<Vec<i64>, CallError>;
 
@@ -176,10 +163,6 @@ impl Redis {
     async fn run(self: Arc<Self>, conn: usize, mut batch: Vec<Queued>) {
         loop {
             let slot = batch.first().map(|q| q.slot);
-            for _ in 0..GATHER_TURNS {
-                tokio::task::yield_now().await;
-            }
-            top_up(&mut self.queues.conns[conn].lock().queue, &mut batch);
             self.send_batch(conn, batch).await;
             let mut ready = {
                 let mut s = self.queues.conns[conn].lock();
@@ -383,32 +366,6 @@ fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
     }
     *queue = rest;
     ready
-}
-
-/// Moves into `batch` the calls queued behind it for its slot, in order,
-/// while they share its header and it has room: its slot is in flight,
-/// so nothing of that slot has left since the batch was taken, and the
-/// first call with another header stops it (as in [`take_batches`]).
-fn top_up(queue: &mut Vec<Queued>, batch: &mut Vec<Queued>) {
-    let Some(slot) = batch.first().map(|q| q.slot) else {
-        return;
-    };
-    if batch.len() >= MAX_BATCH || !queue.iter().any(|q| q.slot == slot) {
-        return;
-    }
-    let mut open = true;
-    let mut rest = Vec::with_capacity(queue.len());
-    for q in queue.drain(..) {
-        if open && q.slot == slot {
-            if batch.len() < MAX_BATCH && q.call.header == batch[0].call.header {
-                batch.push(q);
-                continue;
-            }
-            open = false;
-        }
-        rest.push(q);
-    }
-    *queue = rest;
 }
 
 /// A batch reply, `{len, reply...}` per request then the call's Redis
@@ -616,32 +573,6 @@ mod tests {
         };
         assert_eq!(orders(&state.take_ready()), [vec![1, 3]]);
         assert_eq!(state.busy, [9, 7]);
-    }
-
-    #[test]
-    fn a_batch_takes_on_its_slots_later_calls_in_order_up_to_another_header() {
-        let mut batch = vec![queued(7, 1, 1)];
-        let mut queue = vec![
-            queued(9, 1, 2),
-            queued(7, 1, 3),
-            queued(7, 1, 4),
-            queued(7, 2, 5),
-            queued(7, 1, 6),
-            queued(9, 1, 7),
-        ];
-        top_up(&mut queue, &mut batch);
-        assert_eq!(order(&batch), [1, 3, 4]);
-        // The call with another header and every later call of the slot
-        // stay, in order, as do the other slots' calls.
-        assert_eq!(order(&queue), [2, 5, 6, 7]);
-        // A batch is never topped up past its bound.
-        let mut full: Vec<Queued> = (0..MAX_BATCH as i64 - 1).map(|n| queued(1, 1, n)).collect();
-        let mut queue: Vec<Queued> = (100..103).map(|n| queued(1, 1, n)).collect();
-        top_up(&mut queue, &mut full);
-        assert_eq!(full.len(), MAX_BATCH);
-        assert_eq!(order(&queue), [101, 102]);
-        top_up(&mut queue, &mut full);
-        assert_eq!(order(&queue), [101, 102]);
     }
 
     #[test]
