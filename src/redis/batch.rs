@@ -160,7 +160,16 @@ impl Redis {
 
     /// Sends `batch`, then, while its slot's calls keep coming, the next
     /// batch of that slot (or another ready one), until none is ready.
+    ///
+    /// A batch takes on the calls queued for its slot between its being
+    /// formed and its task first running, without waiting for any: the
+    /// task is spawned, so it runs after the tasks that were ready before
+    /// it, and under load those are the rest of the wave of requests the
+    /// serving threads have just read. Formed at the first of them, a
+    /// batch left with that one alone and the rest waited a round trip
+    /// behind it. On an idle runtime nothing is queued and nothing waits.
     async fn run(self: Arc<Self>, conn: usize, mut batch: Vec<Queued>) {
+        top_up(&mut self.queues.conns[conn].lock().queue, &mut batch);
         loop {
             let slot = batch.first().map(|q| q.slot);
             self.send_batch(conn, batch).await;
@@ -368,6 +377,32 @@ fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
     ready
 }
 
+/// Moves into `batch` the calls queued behind it for its slot, in order,
+/// while they share its header and it has room: its slot is in flight,
+/// so nothing of that slot has left since the batch was taken, and the
+/// first call with another header stops it (as in [`take_batches`]).
+fn top_up(queue: &mut Vec<Queued>, batch: &mut Vec<Queued>) {
+    let Some(slot) = batch.first().map(|q| q.slot) else {
+        return;
+    };
+    if batch.len() >= MAX_BATCH || !queue.iter().any(|q| q.slot == slot) {
+        return;
+    }
+    let mut open = true;
+    let mut rest = Vec::with_capacity(queue.len());
+    for q in queue.drain(..) {
+        if open && q.slot == slot {
+            if batch.len() < MAX_BATCH && q.call.header == batch[0].call.header {
+                batch.push(q);
+                continue;
+            }
+            open = false;
+        }
+        rest.push(q);
+    }
+    *queue = rest;
+}
+
 /// A batch reply, `{len, reply...}` per request then the call's Redis
 /// time, split into `n` replies, each with that time put after its status
 /// (`{status, now_ms, items...}`).
@@ -573,6 +608,32 @@ mod tests {
         };
         assert_eq!(orders(&state.take_ready()), [vec![1, 3]]);
         assert_eq!(state.busy, [9, 7]);
+    }
+
+    #[test]
+    fn a_batch_takes_on_its_slots_later_calls_in_order_up_to_another_header() {
+        let mut batch = vec![queued(7, 1, 1)];
+        let mut queue = vec![
+            queued(9, 1, 2),
+            queued(7, 1, 3),
+            queued(7, 1, 4),
+            queued(7, 2, 5),
+            queued(7, 1, 6),
+            queued(9, 1, 7),
+        ];
+        top_up(&mut queue, &mut batch);
+        assert_eq!(order(&batch), [1, 3, 4]);
+        // The call with another header and every later call of the slot
+        // stay, in order, as do the other slots' calls.
+        assert_eq!(order(&queue), [2, 5, 6, 7]);
+        // A batch is never topped up past its bound.
+        let mut full: Vec<Queued> = (0..MAX_BATCH as i64 - 1).map(|n| queued(1, 1, n)).collect();
+        let mut queue: Vec<Queued> = (100..103).map(|n| queued(1, 1, n)).collect();
+        top_up(&mut queue, &mut full);
+        assert_eq!(full.len(), MAX_BATCH);
+        assert_eq!(order(&queue), [101, 102]);
+        top_up(&mut queue, &mut full);
+        assert_eq!(order(&queue), [101, 102]);
     }
 
     #[test]
