@@ -361,11 +361,7 @@ fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
                 ready.push(vec![q]);
             }
             Some((_, at)) => match *at {
-                Some(i)
-                    if ready[i].len() < MAX_BATCH && ready[i][0].call.header == q.call.header =>
-                {
-                    ready[i].push(q)
-                }
+                Some(i) if takes(&ready[i], &q) => ready[i].push(q),
                 _ => {
                     *at = None;
                     rest.push(q);
@@ -375,6 +371,15 @@ fn take_batches(queue: &mut Vec<Queued>, busy: &[u16]) -> Vec<Vec<Queued>> {
     }
     *queue = rest;
     ready
+}
+
+/// Whether `batch`, with `q`'s slot, can take `q`: it has room, and `q`
+/// shares its header (see [`take_batches`]).
+fn takes(batch: &[Queued], q: &Queued) -> bool {
+    batch.len() < MAX_BATCH
+        && batch
+            .first()
+            .is_some_and(|f| f.call.header == q.call.header)
 }
 
 /// Moves into `batch` the calls queued behind it for its slot, in order,
@@ -392,7 +397,7 @@ fn top_up(queue: &mut Vec<Queued>, batch: &mut Vec<Queued>) {
     let mut rest = Vec::with_capacity(queue.len());
     for q in queue.drain(..) {
         if open && q.slot == slot {
-            if batch.len() < MAX_BATCH && q.call.header == batch[0].call.header {
+            if takes(batch, &q) {
                 batch.push(q);
                 continue;
             }
