@@ -5,7 +5,8 @@
 #
 #   benches/bench.sh memory     in-memory engine vs a constant-OK tonic server
 #   benches/bench.sh redis      the gRPC ceiling, memory, the Redis path (hot
-#                               key, 10,000 keys, a key over its limit, four
+#                               key, 10,000 keys, a key over its limit,
+#                               200,000 keys then idle CPU, four
 #                               replicas in aggregate), Redis CPU and
 #                               commands per 1000 decisions, EVALSHA alone,
 #                               bytes per key
@@ -162,6 +163,12 @@ redis)
     fi
     CEILING_JSON=
   done
+  # 200,000 keys (the default ledger_max_keys) on a day rule, so that none
+  # is swept, then the replica left idle: its background rounds must not
+  # scan every key each tick (they did, at 17% of a core when idle).
+  row "keys=200000 (day rule) redis:" "$PID_red" "$GRPC_red" 200000 day redis
+  c0=$(cpu_of "$PID_red"); sleep 3; c1=$(cpu_of "$PID_red")
+  python3 -c 'import sys; print("idle replica after 200,000 keys: %.1f%% of a core" % ((float(sys.argv[2]) - float(sys.argv[1])) / 3 * 100))' "$c0" "$c1"
   # Four replicas on the one Redis, one hot key, 16 in flight to each (64
   # in all): requests/s summed, the worst replica's percentiles.
   for i in 2 3 4; do

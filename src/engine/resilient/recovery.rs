@@ -70,6 +70,7 @@ impl ResilientEngine {
             }
             let state = self.breaker_state();
             if state != BreakerState::Tripped {
+                self.ledger.rescan();
                 self.replay_round(state).await;
             }
         };
@@ -123,6 +124,8 @@ impl ResilientEngine {
             let redis_now = self.redis_now(now);
             self.ledger.sweep(redis_now, self.cfg.expiry_margin_ms);
             self.local.sweep(redis_now);
+            // The backstop for the healthy rounds' skipped scans.
+            self.ledger.rescan();
         }
         match state {
             BreakerState::Tripped => self.probe().await,
@@ -208,12 +211,24 @@ impl ResilientEngine {
         } else {
             self.ledger.release_holds();
         }
+        // A healthy replica scans the ledger only when an entry may have
+        // come to need replay since the last scan (a lease grant, a hold,
+        // a suspect key), a scan left work, or a second has passed: with
+        // many keys a scan every round cost a share of a core and held
+        // the ledger's shards against the serving threads. Recovering, it
+        // scans every round, since the plan moves the breaker on.
+        if !self.ledger.take_dirty() && !recovering {
+            return;
+        }
         // Past a deadline (plus a little scheduling slack) no call sent
         // before can still be in flight.
         let quiet = self.cfg.deadline_ms + 10;
         let (plan, waiting) =
             self.ledger
                 .replay_plan(now, self.redis_now(now), quiet, self.cfg.expiry_margin_ms);
+        if !plan.is_empty() || waiting > 0 {
+            self.ledger.rescan();
+        }
         if plan.is_empty() {
             if waiting == 0 && recovering {
                 self.transition(|b| b.on_replay_done(self.clock.now_ms()));

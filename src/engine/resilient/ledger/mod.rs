@@ -28,7 +28,7 @@
 //! counted.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -234,6 +234,13 @@ pub struct Ledger {
     pub dropped_usage: AtomicU64,
     /// Redis-path charges on keys the full ledger could not track.
     pub untracked: AtomicU64,
+    /// Some entry may have come to need replay since the last replay scan
+    /// ([`Self::take_dirty`]): a local grant or take-back, a hold, a
+    /// suspect or unsure mark, a restore. A healthy replica with none
+    /// skips the scan (see `replay_round`).
+    dirty: AtomicBool,
+    /// Some window may hold a non-zero hold ([`Self::release_holds`]).
+    holding: AtomicBool,
 }
 
 impl Ledger {
@@ -255,7 +262,29 @@ impl Ledger {
             last_full_log_ms: AtomicU64::new(0),
             dropped_usage: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
+            dirty: AtomicBool::new(true),
+            holding: AtomicBool::new(false),
         }
+    }
+
+    /// Notes that an entry may need replay. Called after the change, so a
+    /// scan that started before it either saw it or leaves the flag set.
+    fn mark_dirty(&self) {
+        self.dirty.store(true, Ordering::Release);
+    }
+
+    /// Whether anything was marked since the last call; clears the mark.
+    /// Taken before a replay scan: what changes during the scan marks it
+    /// again, for the next.
+    pub fn take_dirty(&self) -> bool {
+        self.dirty.swap(false, Ordering::AcqRel)
+    }
+
+    /// Asks for a replay scan at the next round whatever was marked: after
+    /// a scan that left work (a plan, a key waiting to be repaired), and
+    /// once a second as a backstop.
+    pub fn rescan(&self) {
+        self.mark_dirty();
     }
 
     fn shard(&self, key: &CounterKey) -> &Mutex<HashMap<CounterKey, Entry>> {
@@ -407,6 +436,7 @@ impl Ledger {
                     .map_or(sent_redis_ms, |u| u.min(sent_redis_ms)),
             );
         });
+        self.mark_dirty();
     }
 
     /// A local (lease) grant for one charge in `window`.
@@ -425,6 +455,7 @@ impl Ledger {
             let w = e.window_mut(window);
             w.local_own = w.local_own.saturating_add(delta);
         });
+        self.mark_dirty();
         if tracked.is_none() {
             self.dropped_usage
                 .fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
@@ -446,6 +477,7 @@ impl Ledger {
                 }
             }
         }
+        self.mark_dirty();
     }
 }
 

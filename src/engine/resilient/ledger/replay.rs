@@ -140,6 +140,7 @@ impl Ledger {
                 }
             }
         }
+        self.mark_dirty();
     }
 
     /// Records that Redis confirmed a plan: local values are replayed, and a

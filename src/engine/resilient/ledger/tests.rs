@@ -377,3 +377,51 @@ fn a_failed_replay_is_written_again_even_when_the_count_came_back() {
     l.mark_replayed(&plan);
     assert!(l.replay_plan(1_300, 5_400, 100, 1_000).0.is_empty());
 }
+
+#[test]
+fn every_change_that_needs_replay_marks_the_ledger_for_a_scan() {
+    let l = Ledger::new(10);
+    let (k, s) = key("dirty");
+    assert!(
+        l.take_dirty(),
+        "a new ledger scans once (a journal may have been restored)"
+    );
+    assert!(!l.take_dirty(), "taken");
+    // Redis-path traffic alone needs no replay: the healthy rounds skip.
+    l.note_issue(&k, &s, 1_000, false);
+    l.record_redis(&k, &s, 5_100, 1_000, &item(1, 99, 1, 1));
+    assert!(!l.take_dirty());
+    l.record_local(&k, &s, 5, 1_100, 2);
+    assert!(l.take_dirty(), "a lease grant");
+    l.record_local(&k, &s, 5, 1_100, -1);
+    assert!(l.take_dirty(), "a take-back");
+    l.mark_suspect(&k, &s, 1_100, 5_100);
+    assert!(l.take_dirty(), "a suspect key");
+    l.hold(&k, &s, 5, 1_100, 10);
+    assert!(l.take_dirty(), "a hold");
+    let (plan, _) = l.replay_plan(1_200, 5_200, 100, 1_000);
+    assert!(!plan.is_empty());
+    l.mark_unsure(&plan);
+    assert!(l.take_dirty(), "a failed replay");
+    l.restore_local(&k, &s, 5, 1_300, 4);
+    assert!(l.take_dirty(), "a journaled count");
+    l.reassert_all();
+    assert!(l.take_dirty(), "Redis lost data");
+    // Releasing holds scans only after a hold was set, and marks the
+    // released windows for their write.
+    l.release_holds();
+    assert!(l.take_dirty(), "the hold set above is released");
+    assert_eq!(
+        l.replay_plan(1_400, 5_400, 100, 1_000).0[0]
+            .entries
+            .iter()
+            .find(|e| e.kind == ReplayKind::Hold)
+            .map(|e| e.value),
+        Some(0),
+        "the released hold is written as 0"
+    );
+    l.release_holds();
+    assert!(!l.take_dirty(), "nothing held since: no scan, no mark");
+    l.rescan();
+    assert!(l.take_dirty(), "asked for");
+}

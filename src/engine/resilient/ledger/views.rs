@@ -147,6 +147,7 @@ impl Ledger {
             w.local_own = w.local_own.max(local_own);
             w.local_replayed = 0;
         });
+        self.mark_dirty();
     }
 
     /// (keys needing replay, unreplayed hits, suspect keys) for /status
