@@ -82,7 +82,14 @@ pub(super) async fn sweep(
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let removed = memory.sweep(memory.clock().now_ms());
+        let now = memory.clock().now_ms();
+        let mut removed = 0;
+        // A shard at a time: this runs on a thread that also serves
+        // connections, which would otherwise wait for every key's check.
+        for i in 0..memory.shard_count() {
+            removed += memory.sweep_shard(i, now);
+            tokio::task::yield_now().await;
+        }
         if removed > 0 {
             tracing::debug!(removed, "expired counters dropped");
         }

@@ -213,22 +213,35 @@ impl MemoryEngine {
 
     /// Drops state that has expired by `now_ms`; returns how many keys went.
     pub fn sweep(&self, now_ms: u64) -> usize {
-        let mut removed = 0;
-        for shard in &self.shards {
-            let mut shard = shard.lock();
-            let before = shard.map.len();
-            let mut freed = 0;
-            shard.map.retain(|_, slot| {
-                let keep = slot.expires_at_ms > now_ms;
-                if !keep {
-                    freed += slot.cost;
-                }
-                keep
-            });
-            shard.bytes -= freed;
-            removed += before - shard.map.len();
-        }
-        removed
+        (0..self.shard_count())
+            .map(|i| self.sweep_shard(i, now_ms))
+            .sum()
+    }
+
+    /// The number of shards ([`Self::sweep_shard`]).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// [`Self::sweep`] of one shard: a sweep on a runtime thread goes a
+    /// shard at a time and lets the thread's other tasks run in between,
+    /// rather than holding the thread for every key at once.
+    pub fn sweep_shard(&self, i: usize, now_ms: u64) -> usize {
+        let Some(shard) = self.shards.get(i) else {
+            return 0;
+        };
+        let mut shard = shard.lock();
+        let before = shard.map.len();
+        let mut freed = 0;
+        shard.map.retain(|_, slot| {
+            let keep = slot.expires_at_ms > now_ms;
+            if !keep {
+                freed += slot.cost;
+            }
+            keep
+        });
+        shard.bytes -= freed;
+        before - shard.map.len()
     }
 
     /// Number of tracked keys.

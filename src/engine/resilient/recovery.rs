@@ -33,6 +33,8 @@ pub struct Recovery {
     journal_interval_ms: u64,
     reregistrations: Option<u64>,
     journaled: Option<Vec<JournalEntry>>,
+    /// The ledger's change count the journal was last taken at.
+    journaled_at: u64,
 }
 
 impl ResilientEngine {
@@ -77,7 +79,8 @@ impl ResilientEngine {
         let _ = tokio::time::timeout(Duration::from_millis(FINAL_REPLAY_MS), attempt).await;
         self.absorb_late();
         if self.journal.is_some() {
-            self.write_journal(&mut r.journaled).await;
+            // Its errors are logged there; nothing is left to retry with.
+            let _ = self.write_journal(&mut r.journaled).await;
         }
         let (keys, hits, _) = self.ledger.pending();
         let dropped = self
@@ -113,17 +116,36 @@ impl ResilientEngine {
         let state = self.breaker_state();
         self.follow_membership(state, r);
         let journal_every = r.journal_interval_ms.max(JOURNAL_EVERY_MS);
-        if self.journal.is_some() && now >= r.last_journal_ms + journal_every {
+        // Taken only when the ledger changed since (a snapshot walks every
+        // entry): a lease grant, a replay, and once a second (the sweep).
+        let changes = self.ledger.changes();
+        if self.journal.is_some()
+            && changes != r.journaled_at
+            && now >= r.last_journal_ms + journal_every
+        {
             r.last_journal_ms = now;
-            if let Some(bytes) = self.write_journal(&mut r.journaled).await {
-                r.journal_interval_ms = bytes as u64 * 1_000 / JOURNAL_BYTES_PER_SEC;
+            match self.write_journal(&mut r.journaled).await {
+                Ok(Some(bytes)) => {
+                    r.journaled_at = changes;
+                    r.journal_interval_ms = bytes as u64 * 1_000 / JOURNAL_BYTES_PER_SEC;
+                }
+                Ok(None) => r.journaled_at = changes,
+                // Tried again at the next round.
+                Err(()) => {}
             }
         }
         if now >= r.last_sweep_ms + SWEEP_EVERY_MS {
             r.last_sweep_ms = now;
             let redis_now = self.redis_now(now);
-            self.ledger.sweep(redis_now, self.cfg.expiry_margin_ms);
-            self.local.sweep(redis_now);
+            let margin = self.cfg.expiry_margin_ms;
+            each_shard(self.ledger.shard_count(), |i| {
+                self.ledger.sweep_shard(i, redis_now, margin);
+            })
+            .await;
+            each_shard(self.local.shard_count(), |i| {
+                self.local.sweep_shard(i, redis_now);
+            })
+            .await;
             // The backstop for the healthy rounds' skipped scans.
             self.ledger.rescan();
         }
@@ -223,9 +245,15 @@ impl ResilientEngine {
         // Past a deadline (plus a little scheduling slack) no call sent
         // before can still be in flight.
         let quiet = self.cfg.deadline_ms + 10;
-        let (plan, waiting) =
-            self.ledger
-                .replay_plan(now, self.redis_now(now), quiet, self.cfg.expiry_margin_ms);
+        let (redis_now, margin) = (self.redis_now(now), self.cfg.expiry_margin_ms);
+        let mut plan = Vec::new();
+        let mut waiting = 0;
+        each_shard(self.ledger.shard_count(), |i| {
+            waiting += self
+                .ledger
+                .replay_plan_shard(i, now, redis_now, quiet, margin, &mut plan);
+        })
+        .await;
         if !plan.is_empty() || waiting > 0 {
             self.ledger.rescan();
         }
@@ -285,16 +313,24 @@ impl ResilientEngine {
 
     /// Writes the journal snapshot when it changed since the last write;
     /// returns the bytes written, if it wrote.
-    async fn write_journal(&self, last: &mut Option<Vec<JournalEntry>>) -> Option<usize> {
-        let journal = self.journal.as_ref()?;
-        let snapshot: Vec<_> = self
-            .ledger
-            .unreplayed_snapshot()
+    async fn write_journal(
+        &self,
+        last: &mut Option<Vec<JournalEntry>>,
+    ) -> Result<Option<usize>, ()> {
+        let Some(journal) = self.journal.as_ref() else {
+            return Ok(None);
+        };
+        let mut unreplayed = Vec::new();
+        each_shard(self.ledger.shard_count(), |i| {
+            self.ledger.unreplayed_snapshot_shard(i, &mut unreplayed);
+        })
+        .await;
+        let snapshot: Vec<_> = unreplayed
             .iter()
             .map(|(k, s, w, n, replayed)| JournalEntry::new(k, s, *w, *n).with_replayed(*replayed))
             .collect();
         if last.as_ref() == Some(&snapshot) {
-            return None;
+            return Ok(None);
         }
         let journal = journal.clone();
         let data = snapshot.clone();
@@ -302,16 +338,27 @@ impl ResilientEngine {
         match result {
             Ok(Ok(bytes)) => {
                 *last = Some(snapshot);
-                Some(bytes)
+                Ok(Some(bytes))
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "cannot write the journal");
-                None
+                Err(())
             }
             Err(e) => {
                 tracing::error!(error = %e, "journal task failed");
-                None
+                Err(())
             }
         }
+    }
+}
+
+/// Runs `f` for each of `shards` shards, letting the thread's other tasks
+/// (connections, Redis calls) run between them: the engine loop shares its
+/// thread with them, and a scan of a large ledger at once held them all
+/// (200,000 keys: about 15 ms, the p99.9 of four replicas at 34–41 ms).
+async fn each_shard(shards: usize, mut f: impl FnMut(usize)) {
+    for i in 0..shards {
+        f(i);
+        tokio::task::yield_now().await;
     }
 }

@@ -19,7 +19,26 @@ impl Ledger {
     ) -> (Vec<Planned>, usize) {
         let mut plan = Vec::new();
         let mut waiting = 0;
-        for shard in &self.shards {
+        for i in 0..self.shard_count() {
+            waiting +=
+                self.replay_plan_shard(i, now_ms, redis_now_ms, quiet_ms, margin_ms, &mut plan);
+        }
+        (plan, waiting)
+    }
+
+    /// [`Self::replay_plan`] of one shard: its plan is added to `plan`, and
+    /// it returns how many of its suspect keys wait for quiet.
+    pub fn replay_plan_shard(
+        &self,
+        i: usize,
+        now_ms: u64,
+        redis_now_ms: u64,
+        quiet_ms: u64,
+        margin_ms: u64,
+        plan: &mut Vec<Planned>,
+    ) -> usize {
+        let mut waiting = 0;
+        if let Some(shard) = self.shards.get(i) {
             for (key, e) in shard.lock().iter() {
                 if !e.needs_replay() {
                     continue;
@@ -122,7 +141,7 @@ impl Ledger {
                 });
             }
         }
-        (plan, waiting)
+        waiting
     }
 
     /// A plan's replay failed, and may have been written in part: until a
@@ -168,5 +187,7 @@ impl Ledger {
                 }
             }
         }
+        // What the journal holds changed (less is unreplayed).
+        self.mark_dirty();
     }
 }

@@ -424,4 +424,11 @@ fn every_change_that_needs_replay_marks_the_ledger_for_a_scan() {
     assert!(!l.take_dirty(), "nothing held since: no scan, no mark");
     l.rescan();
     assert!(l.take_dirty(), "asked for");
+    // A confirmed replay leaves less unreplayed: the journal moves with it.
+    let before = l.changes();
+    let (plan, _) = l.replay_plan(1_500, 5_500, 100, 1_000);
+    assert_eq!(l.changes(), before, "planning changes nothing");
+    l.mark_replayed(&plan);
+    assert!(l.changes() > before);
+    assert!(l.unreplayed_snapshot().is_empty());
 }

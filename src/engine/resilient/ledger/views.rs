@@ -58,7 +58,15 @@ impl Ledger {
 
     /// Drops dead windows and entries with nothing left to remember.
     pub fn sweep(&self, redis_now_ms: u64, margin_ms: u64) {
-        for shard in &self.shards {
+        for i in 0..self.shard_count() {
+            self.sweep_shard(i, redis_now_ms, margin_ms);
+        }
+    }
+
+    /// [`Self::sweep`] of one shard, so that a caller on a runtime thread
+    /// can let other tasks run between shards.
+    pub fn sweep_shard(&self, i: usize, redis_now_ms: u64, margin_ms: u64) {
+        if let Some(shard) = self.shards.get(i) {
             let mut map = shard.lock();
             let before = map.len();
             let mut freed = 0;
@@ -119,14 +127,25 @@ impl Ledger {
     /// confirmed) with something unconfirmed: the journal's snapshot.
     pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64, i64)> {
         let mut out = Vec::new();
-        for shard in &self.shards {
+        for i in 0..self.shard_count() {
+            self.unreplayed_snapshot_shard(i, &mut out);
+        }
+        out
+    }
+
+    /// [`Self::unreplayed_snapshot`] of one shard, added to `out`.
+    pub fn unreplayed_snapshot_shard(
+        &self,
+        i: usize,
+        out: &mut Vec<(CounterKey, LimitSpec, u64, i64, i64)>,
+    ) {
+        if let Some(shard) = self.shards.get(i) {
             for (key, e) in shard.lock().iter() {
                 for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
                     out.push((key.clone(), e.spec, w.window, w.local_own, w.local_replayed));
                 }
             }
         }
-        out
     }
 
     /// Restores a journaled local count (after a restart): it is replayed
