@@ -311,8 +311,9 @@ impl ResilientEngine {
         }
     }
 
-    /// Writes the journal snapshot when it changed since the last write;
-    /// returns the bytes written, if it wrote.
+    /// Writes the journal snapshot when it changed since the last write:
+    /// the bytes written, `None` when it had not changed, an error (logged
+    /// here) when the write failed and is to be tried again.
     async fn write_journal(
         &self,
         last: &mut Option<Vec<JournalEntry>>,
