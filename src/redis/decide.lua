@@ -246,9 +246,10 @@ local serial = 0
 local touched, ntouched = {}, 0
 local meta, nmeta = {}, 0
 local wr, nwr = {}, 0
--- Per charge of the request: its role and result.
-local roles, r_over, r_rem_now, r_rem_after, r_reset, r_own, r_total, r_delta =
-  {}, {}, {}, {}, {}, {}, {}, {}
+-- Per charge i of the request, at 8 × (i − 1): its role, over, remaining
+-- before and after, reset, own, total and delta. One table rather than
+-- one per item: every table here is made anew by each call.
+local r = {}
 
 -- Backs up a key state's counts on the request's first touch (the window
 -- path does the same inline). Announcement state is backed up apart, and
@@ -339,8 +340,10 @@ end
 
 -- The window increments of the call's admitted requests, one HINCRBY per
 -- key at the end of the call: the state the later requests saw already
--- counted them.
-local incr, order = {}, {}
+-- counted them. By key: the increment and the expiry to set on a hash
+-- that did not exist; `order`: the keys in their first write's order.
+-- (Numbers in tables made once per call, not a table per key.)
+local incr, incr_at, order, norder = {}, {}, {}, 0
 
 -- The window charge the last request decided went through, for the
 -- members of a group after its first (see the main loop).
@@ -375,9 +378,11 @@ for _ = 1, tonumber(ARGV[7]) do
       local ch = charges[s] or charge_of(s)
       local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
       local refund = ch.refund
-      local expected = tonumber(ARGV[o + 1])
+      -- Usually -1 (unknown), told apart without parsing it.
+      local e = ARGV[o + 1]
+      local expected = -1
+      if e ~= '-1' then expected = tonumber(e) end
       local expected_w = ch.expected_w
-      roles[i] = ch.role
       local base = KEYS[ko + i]
       local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
 
@@ -387,8 +392,9 @@ for _ = 1, tonumber(ARGV[7]) do
         -- it reverses landed in, whatever the time now.
         local pinned = ch.pinned
         if pinned then w = expected_w end
-        local per = window_keys[base]
-        local key = per and per[w] or window_key(base, w)
+        -- Made here rather than by `window_key`, whose table per base key
+        -- costs more than the concatenation when keys do not repeat.
+        local key = base .. '@' .. (strings[w] or str(w))
         local cur = windows[key] or read_window(key)
         if cur.mark ~= serial then
           cur.mark = serial
@@ -405,7 +411,9 @@ for _ = 1, tonumber(ARGV[7]) do
         -- has them already (it then gets no demand back, and keeps its own).
         local prev = nil
         if algo == 2 or not ch.demand_known then
-          prev = window(window_key(base, w - 1))
+          -- Only read here (this path never changes it), so no backup.
+          local pkey = base .. '@' .. (strings[w - 1] or str(w - 1))
+          prev = windows[pkey] or read_window(pkey)
         end
         if algo == 2 then
           if prev.fence > epoch then stale = true end
@@ -454,8 +462,7 @@ for _ = 1, tonumber(ARGV[7]) do
         if delta ~= 0 then
           local at = nwr * 8
           nwr = nwr + 1
-          wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5] =
-            'hincr', key, delta, expire_at, cur.exists
+          wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = 'hincr', key, delta, expire_at
         end
       elseif algo == 3 then
         -- Sliding log: one member per hit, scored by time; member ids are
@@ -556,15 +563,15 @@ for _ = 1, tonumber(ARGV[7]) do
         delta = consumed
         write('bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin)
       end
-      r_over[i], r_rem_now[i], r_rem_after[i], r_reset[i] = over, rem_now, rem_after, reset
-      r_own[i], r_total[i], r_delta[i] = own, total, delta
+      local b = (i - 1) * 8
+      r[b + 1], r[b + 2], r[b + 3], r[b + 4] = ch.role, over, rem_now, rem_after
+      r[b + 5], r[b + 6], r[b + 7], r[b + 8] = reset, own, total, delta
     end
     if stale then
       undo(true)
       out[nout + 1] = -1
       nout = nout + 1
     else
-
       -- Announcements and proofs are facts about who decides where, written
       -- whether or not the request is admitted.
       for k = 1, nmeta do
@@ -581,8 +588,9 @@ for _ = 1, tonumber(ARGV[7]) do
       local quota_seen = false
       local quota_all_over = true
       for i = 1, n do
-        local is_over = r_over[i] == 1
-        local role = roles[i]
+        local b = (i - 1) * 8
+        local is_over = r[b + 2] == 1
+        local role = r[b + 1]
         if role == 0 then
           if is_over then enforce_over = true end
         elseif role == 2 then
@@ -600,14 +608,15 @@ for _ = 1, tonumber(ARGV[7]) do
           local kind, a, b, c, d, e, f, g =
             wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
           if kind == 'hincr' then
-            -- a key, b delta, c expire_at, d whether the hash existed
+            -- a key, b delta, c expire_at
             local p = incr[a]
             if not p then
-              p = {delta = 0, expire_at = c, exists = d}
-              incr[a] = p
-              order[#order + 1] = a
+              p = 0
+              incr_at[a] = c
+              norder = norder + 1
+              order[norder] = a
             end
-            p.delta = p.delta + b
+            incr[a] = p + b
           elseif kind == 'zadd' then
             -- a key, b members, c charge index, d expire_at. In chunks:
             -- unpack() has a small stack limit.
@@ -642,16 +651,17 @@ for _ = 1, tonumber(ARGV[7]) do
       out[nout + 1] = status
       nout = nout + 1
       for i = 1, n do
-        local remaining = r_rem_after[i]
-        if r_over[i] == 1 then
+        local b = (i - 1) * 8
+        local remaining = r[b + 4]
+        if r[b + 2] == 1 then
           remaining = -1
         elseif denied then
-          remaining = r_rem_now[i]
+          remaining = r[b + 3]
         end
-        local delta = r_delta[i]
+        local delta = r[b + 8]
         if denied then delta = 0 end
-        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r_reset[i], r_own[i]
-        out[nout + 4], out[nout + 5] = r_total[i], delta
+        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], r[b + 6]
+        out[nout + 4], out[nout + 5] = r[b + 7], delta
         nout = nout + 5
       end
     end
@@ -694,11 +704,12 @@ for _ = 1, tonumber(ARGV[7]) do
         if added ~= 0 then
           local p = incr[last_key]
           if not p then
-            p = {delta = 0, expire_at = last_expire_at, exists = cur.exists}
-            incr[last_key] = p
-            order[#order + 1] = last_key
+            p = 0
+            incr_at[last_key] = last_expire_at
+            norder = norder + 1
+            order[norder] = last_key
           end
-          p.delta = p.delta + added
+          incr[last_key] = p + added
           cur.total = count
           cur.own = cur.own + added
         end
@@ -710,11 +721,15 @@ for _ = 1, tonumber(ARGV[7]) do
   ao = ao + 2 + 2 * shape.charges
 end
 
-for _, key in ipairs(order) do
-  local p = incr[key]
-  if p.delta ~= 0 then
-    redis.call('HINCRBY', key, me, strings[p.delta] or str(p.delta))
-    if not p.exists then redis.call('PEXPIREAT', key, strings[p.expire_at] or str(p.expire_at)) end
+for k = 1, norder do
+  local key = order[k]
+  local d = incr[key]
+  if d ~= 0 then
+    redis.call('HINCRBY', key, me, strings[d] or str(d))
+    if not windows[key].exists then
+      local e = incr_at[key]
+      redis.call('PEXPIREAT', key, strings[e] or str(e))
+    end
   end
 end
 out[nout + 1] = now
