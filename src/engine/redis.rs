@@ -180,11 +180,12 @@ impl RedisEngine {
         presume: &Presume,
         pinned: bool,
     ) -> Result<DecideReply, CallError> {
-        let call_id = format!(
-            "{}.{}",
-            self.boot,
-            self.calls.fetch_add(1, Ordering::Relaxed)
-        );
+        // `<boot>.<n>`, without format! (a percent of a replica's CPU on
+        // the Redis path).
+        let mut call_id = String::with_capacity(self.boot.len() + 21);
+        call_id.push_str(&self.boot);
+        call_id.push('.');
+        call_id.push_str(itoa::Buffer::new().format(self.calls.fetch_add(1, Ordering::Relaxed)));
         let call = DecideCall {
             index,
             epoch: self.epoch(),

@@ -58,7 +58,8 @@ struct Entry {
 /// See the module docs.
 pub(super) struct OverCache {
     /// Per counter, one entry per effective limit.
-    entries: RwLock<HashMap<CounterKey, Vec<Entry>>>,
+    /// ahash: every cacheable charge looks its key up here.
+    entries: RwLock<HashMap<CounterKey, Vec<Entry>, ahash::RandomState>>,
     lifetime_ms: u64,
 }
 
@@ -76,7 +77,7 @@ impl OverCache {
     /// `lifetime_ms` 0 turns the cache off.
     pub fn new(lifetime_ms: u64) -> Self {
         OverCache {
-            entries: RwLock::new(HashMap::new()),
+            entries: RwLock::new(HashMap::with_hasher(ahash::RandomState::new())),
             lifetime_ms,
         }
     }
