@@ -283,6 +283,7 @@ impl Redis {
             pool.connect_pool(),
             restarts.clone(),
         );
+        let cluster = config.server.is_clustered();
         Ok(Redis {
             pool,
             config,
@@ -294,7 +295,7 @@ impl Redis {
             migrate: Script::new(migrate::MIGRATE_LUA),
             lock: Script::new(migrate::LOCK_LUA),
             tokens: AtomicU64::new(1),
-            queues: batch::Queues::new(cfg.pool_size),
+            queues: batch::Queues::new(cfg.pool_size, cluster),
             home: crate::tasks::Home::here(),
             batches: AtomicU64::new(0),
             batched: AtomicU64::new(0),
@@ -634,14 +635,14 @@ impl Redis {
         }
     }
 
-    /// Runs the decision script; the reply is its flat integer array. Calls with the same `affinity` (the
-    /// caller passes a hash of the first counter key) share a connection, so
+    /// Runs the decision script; the reply is its flat integer array.
+    /// Calls with the same `affinity` (the caller passes a hash of the
+    /// first counter key) share a connection and an ordering group, so
     /// Redis runs them in the order they were sent: a refund sent after a
     /// charge cannot run before it and make it see its own field lowered.
     ///
-    /// Calls queued for one connection while a call is in flight on it are
-    /// sent together ([`batch`]).
-    /// On a Cluster every key must be in `slot`.
+    /// Calls queued while a call is in flight are sent together
+    /// ([`batch`]). On a Cluster every key must be in `slot`.
     pub async fn decide(
         self: &Arc<Self>,
         slot: u16,
