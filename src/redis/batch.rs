@@ -57,9 +57,11 @@ use super::{integers, CallError, Redis};
 /// Requests per batch at most (and so per script call).
 pub const MAX_BATCH: usize = 32;
 
-/// On one Redis: the ordering groups (see the module docs). At most 64, so
-/// a set of them is a bit mask.
-const GROUPS: u64 = 64;
+/// On one Redis: the ordering groups (see the module docs). Many, so that
+/// a batch of distinct keys holds few of them and the next full batch
+/// finds its calls free to go (with 64, one of 32 distinct keys held
+/// about 25, and most of the calls queued behind it waited).
+const GROUPS: u64 = 1024;
 
 /// On one Redis: batches in flight at most, each after the first full.
 pub const MAX_IN_FLIGHT: usize = 4;
@@ -86,11 +88,33 @@ fn groups_of(batch: &[Queued]) -> Vec<u16> {
     groups
 }
 
-/// A set of ordering groups (below [`GROUPS`]) as a bit mask.
-fn mask(groups: impl IntoIterator<Item = u16>) -> u64 {
-    groups
-        .into_iter()
-        .fold(0, |m, g| m | 1 << (u64::from(g) % GROUPS))
+/// A set of ordering groups (below [`GROUPS`]), as bits.
+#[derive(Clone, Copy, Default)]
+struct GroupSet([u64; (GROUPS / 64) as usize]);
+
+impl GroupSet {
+    fn of(groups: impl IntoIterator<Item = u16>) -> Self {
+        let mut set = GroupSet::default();
+        for g in groups {
+            set.insert(g);
+        }
+        set
+    }
+
+    fn at(g: u16) -> (usize, u64) {
+        let g = u64::from(g) % GROUPS;
+        ((g / 64) as usize, 1 << (g % 64))
+    }
+
+    fn insert(&mut self, g: u16) {
+        let (i, bit) = Self::at(g);
+        self.0[i] |= bit;
+    }
+
+    fn contains(&self, g: u16) -> bool {
+        let (i, bit) = Self::at(g);
+        self.0[i] & bit != 0
+    }
 }
 
 /// The thread and runtime a queued call's caller waits on.
@@ -510,15 +534,14 @@ fn take_mixed(queue: &mut Vec<Queued>, busy: &[u16], in_flight: usize) -> Option
     {
         return None;
     }
-    let mut closed = mask(busy.iter().copied());
+    let mut closed = GroupSet::of(busy.iter().copied());
     let mut take = Vec::with_capacity(MAX_BATCH.min(queue.len()));
     let mut header = None;
     for (i, q) in queue.iter().enumerate() {
         if take.len() == MAX_BATCH {
             break;
         }
-        let bit = mask([q.slot]);
-        if closed & bit != 0 {
+        if closed.contains(q.slot) {
             continue;
         }
         match header {
@@ -527,7 +550,7 @@ fn take_mixed(queue: &mut Vec<Queued>, busy: &[u16], in_flight: usize) -> Option
                 take.push(i);
             }
             Some(h) if *h == q.call.header => take.push(i),
-            Some(_) => closed |= bit,
+            Some(_) => closed.insert(q.slot),
         }
     }
     if take.is_empty() || (in_flight > 0 && take.len() < MAX_BATCH) {
@@ -559,19 +582,19 @@ fn top_up_mixed(queue: &mut Vec<Queued>, busy: &mut Vec<u16>, batch: &mut Vec<Qu
     if batch.len() >= MAX_BATCH || queue.is_empty() {
         return;
     }
-    let mut mine = mask(batch.iter().map(|q| q.slot));
-    let mut closed = mask(busy.iter().copied()) & !mine;
+    let mut mine = GroupSet::of(batch.iter().map(|q| q.slot));
+    // No other batch holds this one's groups.
+    let mut closed = GroupSet::of(busy.iter().copied().filter(|&g| !mine.contains(g)));
     let mut rest = Vec::with_capacity(queue.len());
     for q in queue.drain(..) {
-        let bit = mask([q.slot]);
-        if batch.len() < MAX_BATCH && closed & bit == 0 && q.call.header == header {
-            if mine & bit == 0 {
-                mine |= bit;
+        if batch.len() < MAX_BATCH && !closed.contains(q.slot) && q.call.header == header {
+            if !mine.contains(q.slot) {
+                mine.insert(q.slot);
                 busy.push(q.slot);
             }
             batch.push(q);
         } else {
-            closed |= bit;
+            closed.insert(q.slot);
             rest.push(q);
         }
     }
