@@ -160,9 +160,33 @@ struct State {
     mixed: bool,
     /// Batches in flight (kept when `mixed`).
     in_flight: usize,
+    /// When `mixed`: the groups in `busy`, and how many queued calls are
+    /// of other groups. With a batch in flight only a full batch leaves, so
+    /// while fewer than [`MAX_BATCH`] calls could go, a call joining the
+    /// queue is not walked past all the others (a hot key's calls, all of
+    /// one group, pile up behind its batch while Redis is slow).
+    busy_set: GroupSet,
+    free: usize,
 }
 
 impl State {
+    fn push(&mut self, q: Queued) {
+        if self.mixed && !self.busy_set.contains(q.slot) {
+            self.free += 1;
+        }
+        self.queue.push(q);
+    }
+
+    /// Counts `busy_set` and `free` again, after the queue or the groups
+    /// in flight changed (once per batch, not per call).
+    fn recount(&mut self) {
+        if self.mixed {
+            self.busy_set = GroupSet::of(self.busy.iter().copied());
+            let busy = self.busy_set;
+            self.free = self.queue.iter().filter(|q| !busy.contains(q.slot)).count();
+        }
+    }
+
     /// The batches that can leave now, their slots or groups marked in
     /// flight: on a Cluster one per slot not in flight; on one Redis the
     /// next batch (see [`take_mixed`]), and more while full ones can go.
@@ -174,10 +198,16 @@ impl State {
             return ready;
         }
         let mut ready = Vec::new();
+        if self.in_flight > 0 && self.free < MAX_BATCH {
+            return ready;
+        }
         while let Some(batch) = take_mixed(&mut self.queue, &self.busy, self.in_flight) {
             self.busy.extend(groups_of(&batch));
             self.in_flight += 1;
             ready.push(batch);
+        }
+        if !ready.is_empty() {
+            self.recount();
         }
         ready
     }
@@ -187,6 +217,7 @@ impl State {
     fn top_up(&mut self, batch: &mut Vec<Queued>) {
         if self.mixed {
             top_up_mixed(&mut self.queue, &mut self.busy, batch);
+            self.recount();
         } else {
             top_up(&mut self.queue, batch);
         }
@@ -201,6 +232,7 @@ impl State {
         }
         if self.mixed {
             self.in_flight = self.in_flight.saturating_sub(1);
+            self.recount();
         }
     }
 }
@@ -249,7 +281,7 @@ impl Redis {
             } else {
                 slot_of_keys
             };
-            s.queue.push(Queued {
+            s.push(Queued {
                 slot,
                 call,
                 reply: tx,
@@ -816,6 +848,13 @@ mod tests {
         }
     }
 
+    /// Queues `calls` as callers do, one by one.
+    fn fill(state: &mut State, calls: Vec<Queued>) {
+        for q in calls {
+            state.push(q);
+        }
+    }
+
     /// One Redis: an idle queue sends everything queued (any groups, up
     /// to MAX_BATCH, in order); with a batch in flight only a full batch
     /// of other groups leaves, at most MAX_IN_FLIGHT in all, and the
@@ -823,7 +862,10 @@ mod tests {
     #[test]
     fn on_one_redis_a_batch_mixes_groups_and_only_full_ones_follow() {
         let mut state = one_redis();
-        state.queue = (0..40).map(|n| queued((n % 5) as u16, 1, n)).collect();
+        fill(
+            &mut state,
+            (0..40).map(|n| queued((n % 5) as u16, 1, n)).collect(),
+        );
         let ready = state.take_ready();
         assert_eq!(orders(&ready), [(0..32).collect::<Vec<_>>()]);
         // Its groups are in flight: the 8 left wait, in order.
@@ -836,9 +878,12 @@ mod tests {
         // Full batches of distinct groups pipeline, up to the bound.
         let mut state = one_redis();
         let per = MAX_BATCH as i64;
-        state.queue = (0..per * (MAX_IN_FLIGHT as i64 + 1))
-            .map(|n| queued((n / per) as u16, 1, n))
-            .collect();
+        fill(
+            &mut state,
+            (0..per * (MAX_IN_FLIGHT as i64 + 1))
+                .map(|n| queued((n / per) as u16, 1, n))
+                .collect(),
+        );
         let ready = state.take_ready();
         assert_eq!(ready.len(), MAX_IN_FLIGHT);
         assert!(ready.iter().all(|b| b.len() == MAX_BATCH));
@@ -852,9 +897,12 @@ mod tests {
 
         // A batch in flight and fewer than a full batch queued: nothing.
         let mut state = one_redis();
-        state.queue = vec![queued(1, 1, 1)];
+        fill(&mut state, vec![queued(1, 1, 1)]);
         let first = state.take_ready();
-        state.queue = (2..20).map(|n| queued((n % 3) as u16, 1, n)).collect();
+        fill(
+            &mut state,
+            (2..20).map(|n| queued((n % 3) as u16, 1, n)).collect(),
+        );
         assert!(state.take_ready().is_empty());
         state.done(&groups_of(&first[0]));
         assert_eq!(orders(&state.take_ready()), [(2..20).collect::<Vec<_>>()]);
@@ -866,12 +914,15 @@ mod tests {
     #[test]
     fn on_one_redis_no_two_batches_in_flight_share_a_group() {
         let mut state = one_redis();
-        state.queue = vec![queued(9, 1, 0)];
+        fill(&mut state, vec![queued(9, 1, 0)]);
         let first = state.take_ready();
         // 44 calls, every fourth in group 9 (in flight): 33 of others, so
         // a full batch of them leaves and the 11 of group 9 stay, in order.
         let group = |n: i64| if n % 4 == 0 { 9 } else { (n % 4) as u16 };
-        state.queue = (1..=44).map(|n| queued(group(n), 1, n)).collect();
+        fill(
+            &mut state,
+            (1..=44).map(|n| queued(group(n), 1, n)).collect(),
+        );
         let ready = state.take_ready();
         let others: Vec<i64> = (1..=44).filter(|n| n % 4 != 0).collect();
         assert_eq!(orders(&ready), [others[..MAX_BATCH].to_vec()]);
@@ -888,12 +939,15 @@ mod tests {
         assert!(state.queue.is_empty());
 
         let mut state = one_redis();
-        state.queue = vec![
-            queued(1, 1, 1),
-            queued(2, 2, 2),
-            queued(2, 1, 3),
-            queued(3, 1, 4),
-        ];
+        fill(
+            &mut state,
+            vec![
+                queued(1, 1, 1),
+                queued(2, 2, 2),
+                queued(2, 1, 3),
+                queued(3, 1, 4),
+            ],
+        );
         let ready = state.take_ready();
         assert_eq!(orders(&ready), [vec![1, 4]]);
         assert_eq!(order(&state.queue), [2, 3]);
@@ -904,6 +958,33 @@ mod tests {
         assert_eq!(orders(&state.take_ready()), [vec![3]]);
     }
 
+    /// One Redis: calls of a group in flight are counted as unable to go,
+    /// so they wait without being walked; the count follows the batches.
+    #[test]
+    fn on_one_redis_calls_behind_a_group_in_flight_are_counted_not_walked() {
+        let mut state = one_redis();
+        fill(&mut state, vec![queued(4, 1, 0)]);
+        let first = state.take_ready();
+        fill(&mut state, (1..=100).map(|n| queued(4, 1, n)).collect());
+        assert_eq!((state.free, state.queue.len()), (0, 100));
+        assert!(state.take_ready().is_empty());
+        fill(&mut state, (101..=131).map(|n| queued(5, 1, n)).collect());
+        assert_eq!(state.free, 31);
+        assert!(
+            state.take_ready().is_empty(),
+            "31 free calls: not a full batch"
+        );
+        fill(&mut state, vec![queued(6, 1, 132)]);
+        let full = state.take_ready();
+        assert_eq!(orders(&full), [(101..=132).collect::<Vec<_>>()]);
+        assert_eq!(state.free, 0);
+        state.done(&groups_of(&first[0]));
+        assert_eq!(state.free, 100);
+        // Group 4's calls go, in order, once no batch of theirs is out
+        // (the other batch in flight leaves only a full one to follow).
+        assert_eq!(orders(&state.take_ready()), [(1..=32).collect::<Vec<_>>()]);
+    }
+
     /// One Redis: a batch not sent yet takes on the calls queued since, of
     /// its own groups and of groups not in flight, up to another header.
     #[test]
@@ -912,14 +993,17 @@ mod tests {
         state.busy = vec![5, 1];
         state.in_flight = 2;
         let mut batch = vec![queued(1, 1, 1)];
-        state.queue = vec![
-            queued(5, 1, 2),
-            queued(1, 1, 3),
-            queued(2, 1, 4),
-            queued(2, 2, 5),
-            queued(2, 1, 6),
-            queued(3, 1, 7),
-        ];
+        fill(
+            &mut state,
+            vec![
+                queued(5, 1, 2),
+                queued(1, 1, 3),
+                queued(2, 1, 4),
+                queued(2, 2, 5),
+                queued(2, 1, 6),
+                queued(3, 1, 7),
+            ],
+        );
         state.top_up(&mut batch);
         assert_eq!(order(&batch), [1, 3, 4, 7]);
         assert_eq!(order(&state.queue), [2, 5, 6]);
