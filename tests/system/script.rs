@@ -1,8 +1,10 @@
 //! decide.lua on a real redis-server, called directly: a group of equal
 //! requests (one entry whose shape says how many it stands for) answers
-//! exactly as the same requests sent as separate entries, and leaves the
-//! same counts behind. Both forms go in one script call, on two copies of
-//! the same keys, so they see the same Redis time and the same state.
+//! exactly as the same requests sent as separate entries, and a request
+//! on a window whose hash holds only counts (decided the short way)
+//! answers exactly as the general path does; each leaves the same counts
+//! behind. Both forms go in one script call, on two copies of the same
+//! keys, so they see the same Redis time and the same state.
 
 use crate::common::{test_dir, RedisServer};
 use leasehold::redis::scripts::DECIDE_LUA;
@@ -83,11 +85,13 @@ fn replies(flat: &[i64], n: usize) -> Vec<Vec<i64>> {
     out
 }
 
-/// A hash as sorted field/value pairs.
+/// A hash as sorted field/value pairs (none when it does not exist; no
+/// field or value here is empty).
 fn hash(redis: &RedisServer, key: &str) -> Vec<String> {
     let lines: Vec<String> = redis
         .cli(&["HGETALL", key])
         .lines()
+        .filter(|l| !l.is_empty())
         .map(str::to_owned)
         .collect();
     let mut pairs: Vec<String> = lines.chunks(2).map(|p| p.join("=")).collect();
@@ -215,5 +219,167 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
     assert!(
         fast >= 30 && admitted_some >= 30 && denied_some >= 30,
         "fast {fast}, admitted {admitted_some}, denied {denied_some}"
+    );
+}
+
+/// PTTL of a key, in ms (-2 absent, -1 without expiry).
+fn pttl(redis: &RedisServer, key: &str) -> i64 {
+    numbers(&redis.cli(&["PTTL", key]))
+        .first()
+        .copied()
+        .unwrap_or(-3)
+}
+
+#[test]
+fn a_window_of_counts_only_answers_as_the_general_path_does() {
+    let dir = test_dir("script-plain");
+    let redis = RedisServer::start("redis", &dir);
+    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]).trim().to_owned();
+    assert_eq!(sha.len(), 40, "script loads: {sha}");
+    let mut rng = Rng(0x9a1e_5eed_0b57_ac1e);
+    // Another replica's fence: the general path ignores it, the short path
+    // takes a hash holding it to the general one.
+    const ODD: &str = "f9";
+    let (mut created, mut admitted, mut denied, mut stale) = (0, 0, 0, 0);
+    for scenario in 0..80 {
+        let now_ms = {
+            let t = numbers(&redis.cli(&["TIME"]));
+            (t[0] * 1000 + t[1] / 1000) as u64
+        };
+        let w = now_ms / HOUR_MS;
+        // A few bases per algorithm, so that requests of a call share
+        // windows (a window read by an earlier request is decided the
+        // general way) as well as not.
+        let requests: Vec<Vec<(String, Charge)>> = (0..4 + rng.below(9))
+            .map(|_| {
+                (0..1 + rng.below(4) / 3)
+                    .map(|i| {
+                        let c = charge(&mut rng);
+                        (format!("a{}k{}", c.algorithm, (rng.below(3) + i) % 3), c)
+                    })
+                    .collect()
+            })
+            .collect();
+        let never_deny = u64::from(rng.below(8) == 0);
+        let troubled = rng.below(6) == 0;
+        let base = |copy: &str, name: &str| format!("t{{{scenario}{copy}}}:{name}");
+        let mut seeded = std::collections::BTreeSet::new();
+        for (name, c) in requests.iter().flatten() {
+            if !seeded.insert(name.clone()) {
+                continue;
+            }
+            // This replica's fence above its epoch, sometimes: stale.
+            let fence = if rng.below(10) == 0 { "2" } else { "0" };
+            for copy in ["p", "q"] {
+                let key = base(copy, name);
+                if c.algorithm == 4 {
+                    redis.cli(&[
+                        "HSET",
+                        &key,
+                        "t",
+                        &c.start.to_string(),
+                        "u",
+                        &now_ms.to_string(),
+                    ]);
+                    continue;
+                }
+                for (window, count) in [(w, c.start), (w - 1, c.previous)] {
+                    let mut fields: Vec<String> = Vec::new();
+                    if count > 0 {
+                        fields.extend(["0".to_owned(), count.to_string()]);
+                        fields.extend(["f0".to_owned(), fence.to_owned()]);
+                    }
+                    if copy == "q" {
+                        fields.extend([ODD.to_owned(), "0".to_owned()]);
+                    }
+                    if !fields.is_empty() {
+                        let key = format!("{key}@{window}");
+                        let mut cmd = vec!["HSET", key.as_str()];
+                        cmd.extend(fields.iter().map(String::as_str));
+                        redis.cli(&cmd);
+                    }
+                }
+            }
+        }
+        let mut keys: Vec<String> = Vec::new();
+        let mut args: Vec<String> = ["0", "1", "1000"].map(str::to_owned).to_vec();
+        if troubled {
+            args.extend(["e1", "1,2", ""].map(str::to_owned));
+        } else {
+            args.extend(["", "", ""].map(str::to_owned));
+        }
+        args.push((2 * requests.len()).to_string());
+        for copy in ["p", "q"] {
+            for (n, request) in requests.iter().enumerate() {
+                args.push(format!("{},{},{never_deny}", request.len(), request.len()));
+                args.push(format!("{copy}{n}"));
+                for (name, c) in request {
+                    keys.push(base(copy, name));
+                    args.push(format!(
+                        "{},{},{HOUR_MS},{},{},{},{w},{},{}",
+                        c.algorithm, c.limit, c.limit, c.hits, c.flags, c.fraction, c.pending
+                    ));
+                    args.push(c.expected.to_string());
+                }
+            }
+        }
+        args.push("78".to_owned());
+        let absent: Vec<String> = seeded
+            .iter()
+            .map(|name| format!("{}@{w}", base("p", name)))
+            .filter(|key| pttl(&redis, key) == -2)
+            .collect();
+        let mut call: Vec<&str> = vec!["EVALSHA", &sha];
+        let nkeys = keys.len().to_string();
+        call.push(&nkeys);
+        call.extend(keys.iter().map(String::as_str));
+        call.extend(args.iter().map(String::as_str));
+        let out = redis.cli(&call);
+        let flat = numbers(&out);
+        assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
+        let all = replies(&flat, 2 * requests.len());
+        let (short, general) = all.split_at(requests.len());
+        assert_eq!(
+            short, general,
+            "scenario {scenario}: the short path answers as the general one"
+        );
+        // A field at 0 means what an absent one does (the general path
+        // sums a call's changes to a window before writing them, the short
+        // one writes each at once), and the odd fence is 0.
+        let nonzero = |key: String| -> Vec<String> {
+            hash(&redis, &key)
+                .into_iter()
+                .filter(|f| !f.ends_with("=0"))
+                .collect()
+        };
+        for name in &seeded {
+            for suffix in [String::new(), format!("@{w}"), format!("@{}", w - 1)] {
+                assert_eq!(
+                    nonzero(format!("{}{suffix}", base("p", name))),
+                    nonzero(format!("{}{suffix}", base("q", name))),
+                    "scenario {scenario}: {name}{suffix} holds the same counts"
+                );
+            }
+        }
+        // A window hash the call made expires (at its window's end plus
+        // the margin).
+        for key in &absent {
+            let ttl = pttl(&redis, key);
+            if ttl != -2 {
+                assert!(ttl > 0, "scenario {scenario}: {key} made without expiry");
+                created += 1;
+            }
+        }
+        for reply in short {
+            match reply[0] {
+                -1 => stale += 1,
+                s if s % 2 == 0 => admitted += 1,
+                _ => denied += 1,
+            }
+        }
+    }
+    assert!(
+        created >= 20 && admitted >= 100 && denied >= 100 && stale >= 20,
+        "created {created}, admitted {admitted}, denied {denied}, stale {stale}"
     );
 }
