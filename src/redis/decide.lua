@@ -22,7 +22,8 @@
 --       own reply (never with a
 --       sliding-log charge, whose members take their ids from the call
 --       id)
---   its call id, unique per replica incarnation (sliding-log member ids)
+--   its call id, unique per replica incarnation (sliding-log member ids;
+--       "" when the request has no sliding-log charge)
 --   per charge i, two arguments:
 --     "<algorithm>,<limit>,<unit_ms>,<burst>,<hits>,<flags>,<expected_w>,
 --     <fraction>,<pending>": algorithm 1 fixed window, 2 sliding window,

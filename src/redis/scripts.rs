@@ -60,7 +60,8 @@ pub struct DecideCall<'a> {
     pub index: u64,
     pub epoch: u64,
     pub margin_ms: u64,
-    /// `<boot>.<n>`: unique per call and incarnation (sliding-log ids).
+    /// `<boot>.<n>`: unique per call and incarnation (sliding-log ids);
+    /// "" when the batch has no sliding-log charge.
     pub call_id: &'a str,
     /// (count, window) this replica expects per charge; -1 unknown.
     pub expected: &'a [(i64, u64)],
