@@ -99,6 +99,27 @@ fn hash(redis: &RedisServer, key: &str) -> Vec<String> {
     pairs
 }
 
+/// A token bucket's hash holding `tokens`, updated at `now_ms`.
+fn bucket(redis: &RedisServer, key: &str, tokens: u64, now_ms: u64) {
+    redis.cli(&[
+        "HSET",
+        key,
+        "t",
+        &tokens.to_string(),
+        "u",
+        &now_ms.to_string(),
+    ]);
+}
+
+/// One script call, as redis-cli prints its reply.
+fn evalsha(redis: &RedisServer, sha: &str, keys: &[String], args: &[String]) -> String {
+    let nkeys = keys.len().to_string();
+    let mut call: Vec<&str> = vec!["EVALSHA", sha, &nkeys];
+    call.extend(keys.iter().map(String::as_str));
+    call.extend(args.iter().map(String::as_str));
+    redis.cli(&call)
+}
+
 #[test]
 fn a_group_of_equal_requests_answers_as_each_request_alone() {
     let dir = test_dir("script-groups");
@@ -125,14 +146,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
             for (i, c) in charges.iter().enumerate() {
                 let key = base(copy, i);
                 if c.algorithm == 4 {
-                    redis.cli(&[
-                        "HSET",
-                        &key,
-                        "t",
-                        &c.start.to_string(),
-                        "u",
-                        &now_ms.to_string(),
-                    ]);
+                    bucket(&redis, &key, c.start, now_ms);
                 } else {
                     redis.cli(&["HSET", &format!("{key}@{w}"), "0", &c.start.to_string()]);
                     redis.cli(&[
@@ -173,12 +187,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
             args.extend(body(&format!("s{n}"), 1));
         }
         args.push("77".to_owned());
-        let mut call: Vec<&str> = vec!["EVALSHA", &sha];
-        let nkeys = keys.len().to_string();
-        call.push(&nkeys);
-        call.extend(keys.iter().map(String::as_str));
-        call.extend(args.iter().map(String::as_str));
-        let out = redis.cli(&call);
+        let out = evalsha(&redis, &sha, &keys, &args);
         let flat = numbers(&out);
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
         let all = replies(&flat, 2 * times);
@@ -273,14 +282,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
             for copy in ["p", "q"] {
                 let key = base(copy, name);
                 if c.algorithm == 4 {
-                    redis.cli(&[
-                        "HSET",
-                        &key,
-                        "t",
-                        &c.start.to_string(),
-                        "u",
-                        &now_ms.to_string(),
-                    ]);
+                    bucket(&redis, &key, c.start, now_ms);
                     continue;
                 }
                 for (window, count) in [(w, c.start), (w - 1, c.previous)] {
@@ -329,12 +331,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
             .map(|name| format!("{}@{w}", base("p", name)))
             .filter(|key| pttl(&redis, key) == -2)
             .collect();
-        let mut call: Vec<&str> = vec!["EVALSHA", &sha];
-        let nkeys = keys.len().to_string();
-        call.push(&nkeys);
-        call.extend(keys.iter().map(String::as_str));
-        call.extend(args.iter().map(String::as_str));
-        let out = redis.cli(&call);
+        let out = evalsha(&redis, &sha, &keys, &args);
         let flat = numbers(&out);
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
         let all = replies(&flat, 2 * requests.len());
