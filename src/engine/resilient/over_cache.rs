@@ -15,7 +15,10 @@
 //! - a refund on another replica, or Redis losing data, is seen when the
 //!   entry ends: at most `over_limit_cache_ms` after it was written (or
 //!   the window's end, if sooner). The next Redis reply that admits more
-//!   than the entry allowed counts the entry as refuted (a metric);
+//!   than the entry allowed counts the entry as refuted (a metric), when
+//!   Redis decided it after the OVER: replies of calls in flight together
+//!   are learned in any order, and an admission Redis made before the
+//!   OVER (the first of a window's requests, say) refutes nothing;
 //! - a rules reload clears the cache, and the effective limit (a request's
 //!   `limit` override included) is part of the entry's key.
 //!
@@ -53,6 +56,9 @@ struct Entry {
     until_ms: u64,
     /// Redis time when the window ends.
     window_end_ms: u64,
+    /// Redis time of the latest OVER the entry learned: only an admission
+    /// Redis made later contradicts it.
+    seen_ms: u64,
 }
 
 /// See the module docs.
@@ -174,7 +180,10 @@ impl OverCache {
                 if let Some(list) = entries.get_mut(&c.key) {
                     let before = list.len();
                     list.retain(|e| {
-                        !(same(e) && e.window == window && c.hits > e.remaining_at_most)
+                        !(same(e)
+                            && e.window == window
+                            && c.hits > e.remaining_at_most
+                            && redis_now > e.seen_ms)
                     });
                     refuted += (before - list.len()) as u64;
                     if list.is_empty() {
@@ -194,12 +203,14 @@ impl OverCache {
                         .lifetime_ms
                         .min(window_end_ms.saturating_sub(redis_now)),
                 window_end_ms,
+                seen_ms: redis_now,
             };
             if let Some(list) = entries.get_mut(&c.key) {
                 match list.iter_mut().find(|e| same(e)) {
                     Some(e) if e.window == window => {
                         e.remaining_at_most = e.remaining_at_most.min(entry.remaining_at_most);
                         e.until_ms = entry.until_ms;
+                        e.seen_ms = e.seen_ms.max(redis_now);
                     }
                     Some(e) => *e = entry,
                     None => list.push(entry),
@@ -214,5 +225,79 @@ impl OverCache {
     /// Forgets everything (a rules reload).
     pub fn clear(&self) {
         self.entries.write().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{LimitSpec, Unit};
+
+    const MINUTE: u64 = 60_000;
+
+    fn batch() -> Batch {
+        let spec = LimitSpec::fixed(1, Unit::Minute);
+        Batch {
+            charges: vec![Charge {
+                key: CounterKey::new("d", [("user", "a")], &spec),
+                spec,
+                hits: 1,
+                refund: false,
+                role: Role::Enforce,
+            }],
+            never_deny: false,
+        }
+    }
+
+    fn outcome(over: bool) -> BatchOutcome {
+        BatchOutcome {
+            items: vec![ItemOutcome {
+                over,
+                remaining: 0,
+                reset_ms: 1,
+            }],
+            denied: over,
+            path: DecisionPath::Redis,
+        }
+    }
+
+    /// Replies of calls in flight together reach the cache in any order:
+    /// the window's first request, admitted by Redis before another was
+    /// denied, is no evidence against the OVER even when learned after it
+    /// (the benchmark's over-limit row counted one such false refutation
+    /// at the start of a window). An admission Redis made after the OVER
+    /// still refutes it.
+    #[test]
+    fn only_an_admission_redis_made_after_the_over_refutes_it() {
+        let cache = OverCache::new(250);
+        let b = batch();
+        let t = 10 * MINUTE + 5_000;
+        assert_eq!(cache.learn(&b, &outcome(true), 0, t), 0);
+        assert_eq!(
+            cache.learn(&b, &outcome(false), 1, t - 2),
+            0,
+            "admitted before the OVER: not a refutation"
+        );
+        assert!(
+            cache.answer(&b, 2, t + 1).is_some(),
+            "the entry still answers"
+        );
+        assert_eq!(
+            cache.learn(&b, &outcome(false), 3, t),
+            0,
+            "the same call's admission is not after it"
+        );
+        assert_eq!(
+            cache.learn(&b, &outcome(false), 4, t + 3),
+            1,
+            "admitted after the OVER: refuted"
+        );
+        assert!(cache.answer(&b, 5, t + 4).is_none(), "and dropped");
+        // A later OVER moves the entry's time on: an admission between the
+        // two no longer refutes it.
+        assert_eq!(cache.learn(&b, &outcome(true), 6, t + 10), 0);
+        assert_eq!(cache.learn(&b, &outcome(true), 7, t + 20), 0);
+        assert_eq!(cache.learn(&b, &outcome(false), 8, t + 15), 0);
+        assert!(cache.answer(&b, 9, t + 21).is_some());
     }
 }
