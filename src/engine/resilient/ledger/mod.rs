@@ -76,6 +76,10 @@ struct WindowTally {
     /// count can come back to the value last confirmed: a take-back then
     /// a grant, with the take-back's write in doubt in between).
     unsure: bool,
+    /// While `unsure`: the lowest local count that a replay failed since
+    /// Redis last confirmed one may have left in the local field. The
+    /// journal counts from it (see [`Ledger::unreplayed_snapshot`]).
+    unsure_low: i64,
 }
 
 #[derive(Clone, Debug)]

@@ -154,7 +154,13 @@ impl Ledger {
                         continue;
                     }
                     if let Some(w) = e.windows.iter_mut().find(|w| w.window == entry.window) {
-                        w.unsure = true;
+                        if !w.unsure {
+                            w.unsure = true;
+                            w.unsure_low = w.local_replayed;
+                        }
+                        if entry.kind == ReplayKind::Local {
+                            w.unsure_low = w.unsure_low.min(entry.value);
+                        }
                     }
                 }
             }

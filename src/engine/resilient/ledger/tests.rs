@@ -432,3 +432,49 @@ fn every_change_that_needs_replay_marks_the_ledger_for_a_scan() {
     assert!(l.changes() > before);
     assert!(l.unreplayed_snapshot().is_empty());
 }
+
+#[test]
+fn a_journal_counts_from_the_lowest_count_a_failed_replay_may_have_left() {
+    // Redis confirms 3 local grants; a take-back's replay (2) then fails
+    // after Redis may have applied it; a grant brings the count back to 3.
+    // A replica restarted from the journal adds what it restores to the
+    // local field as it finds it: from 2, the grant must be restored too.
+    let l = Ledger::new(10);
+    let (k, s) = key("crash");
+    l.record_local(&k, &s, 5, 1_000, 3);
+    let (plan, _) = l.replay_plan(1_000, 5_100, 100, 1_000);
+    l.mark_replayed(&plan);
+    assert!(l.unreplayed_snapshot().is_empty(), "all confirmed");
+    l.record_local(&k, &s, 5, 1_100, -1);
+    let (failed, _) = l.replay_plan(1_100, 5_200, 100, 1_000);
+    l.mark_unsure(&failed);
+    l.record_local(&k, &s, 5, 1_200, 1);
+    let snapshot = l.unreplayed_snapshot();
+    assert_eq!(snapshot, vec![(k.clone(), s, 5, 3, 2)]);
+    // Restored on top of either value the field may hold, the count is
+    // never below the 3 granted.
+    let unreplayed = snapshot[0].3 - snapshot[0].4;
+    for field in [2, 3] {
+        assert!(field + unreplayed >= 3, "from {field}: undercounted");
+    }
+    // A second failed replay of the same count keeps the lowest.
+    let (failed, _) = l.replay_plan(1_300, 5_300, 100, 1_000);
+    l.mark_unsure(&failed);
+    assert_eq!(l.unreplayed_snapshot(), snapshot);
+    // Once a replay succeeds, the journal holds nothing.
+    let (plan, _) = l.replay_plan(1_400, 5_400, 100, 1_000);
+    l.mark_replayed(&plan);
+    assert!(l.unreplayed_snapshot().is_empty());
+    // A failed write of a hold alone leaves the local field as confirmed.
+    let (h, hs) = key("held");
+    l.record_local(&h, &hs, 5, 1_500, 2);
+    let (plan, _) = l.replay_plan(1_500, 5_500, 100, 1_000);
+    l.mark_replayed(&plan);
+    l.hold(&h, &hs, 5, 1_600, 10);
+    let (failed, _) = l.replay_plan(1_600, 5_600, 100, 1_000);
+    assert!(failed
+        .iter()
+        .all(|p| p.entries.iter().all(|e| e.kind == ReplayKind::Hold)));
+    l.mark_unsure(&failed);
+    assert!(l.unreplayed_snapshot().is_empty(), "nothing to journal");
+}

@@ -125,6 +125,14 @@ impl Ledger {
 
     /// Every (key, spec, window, cumulative local count, the part Redis
     /// confirmed) with something unconfirmed: the journal's snapshot.
+    ///
+    /// A replica restarted from it writes the unconfirmed part on top of
+    /// what the previous run's local field holds. After a failed replay
+    /// that field may hold a lower count than Redis last confirmed (a
+    /// take-back written, its reply lost), so an unsure window counts from
+    /// the lowest it may hold: the restarted replica then writes at least
+    /// what was granted (too much by the take-back at worst, which only
+    /// denies), never less.
     pub fn unreplayed_snapshot(&self) -> Vec<(CounterKey, LimitSpec, u64, i64, i64)> {
         let mut out = Vec::new();
         for i in 0..self.shard_count() {
@@ -141,8 +149,15 @@ impl Ledger {
     ) {
         if let Some(shard) = self.shards.get(i) {
             for (key, e) in shard.lock().iter() {
-                for w in e.windows.iter().filter(|w| w.local_own != w.local_replayed) {
-                    out.push((key.clone(), e.spec, w.window, w.local_own, w.local_replayed));
+                for w in &e.windows {
+                    let confirmed = if w.unsure {
+                        w.local_replayed.min(w.unsure_low)
+                    } else {
+                        w.local_replayed
+                    };
+                    if w.local_own != confirmed {
+                        out.push((key.clone(), e.spec, w.window, w.local_own, confirmed));
+                    }
                 }
             }
         }
