@@ -87,3 +87,68 @@ async fn a_replica_restarted_from_its_journal_keeps_its_lease_used() {
     );
     assert_eq!(rig.pending(), (1, 1_000, 0), "600 restored + 400 new");
 }
+
+/// The fault model end to end, on the fake store: a call past its budget
+/// is denied and runs late, so its count is taken back through the local
+/// field; the replay of that take-back fails after the store applied it;
+/// lease grants follow in an outage; the replica crashes and restarts from
+/// its journal. The store must end up holding exactly what was admitted:
+/// the restarted replica writes on top of the field as it finds it, which
+/// is the take-back's lower count.
+#[tokio::test]
+async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut rig = Rig::with_journal(Some(Journal::open(dir.path(), "r1").expect("journal")));
+    let key = rig.key("a");
+    assert!(rig.hit_admitted("a").await, "on Redis");
+    rig.fake.set(Mode::Slow);
+    assert!(!rig.hit_admitted("a").await, "past its budget: denied");
+    // The call runs now and answers late: Redis counted a request that was
+    // denied, and the late reply takes it back locally.
+    rig.fake.release();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    rig.fake.set(Mode::Up);
+    rig.fake.store.lock().replay_loses_reply = true;
+    for _ in 0..3 {
+        rig.clock.advance(DEADLINE_MS + 10);
+        rig.tick().await;
+    }
+    let attempted = rig.fake.replays();
+    assert!(
+        attempted
+            .iter()
+            .flatten()
+            .any(|&(kind, v)| kind == ReplayKind::Local && v == -1),
+        "the take-back was replayed (and its reply lost): {attempted:?}"
+    );
+    assert_eq!(
+        rig.fake
+            .store
+            .lock()
+            .local_field
+            .get(&(key.clone(), rig.clock_window())),
+        Some(&-1)
+    );
+    // An outage: lease grants bring the local count back above zero.
+    rig.fake.store.lock().replay_loses_reply = false;
+    rig.fake.set(Mode::Refused);
+    let mut local = 0;
+    for _ in 0..6 {
+        if rig.hit_admitted("a").await {
+            local += 1;
+        }
+    }
+    assert!(local >= 2, "granted on the lease: {local}");
+    rig.clock.advance(200);
+    rig.tick().await;
+    // A crash, then a restart from the journal with Redis back.
+    let mut second = rig.restarted(Journal::open(dir.path(), "r1").expect("journal"));
+    drop(rig);
+    second.fake.set(Mode::Up);
+    for _ in 0..4 {
+        second.clock.advance(700);
+        second.tick().await;
+    }
+    assert_eq!(second.pending().1, 0, "replayed");
+    second.assert_exact();
+}

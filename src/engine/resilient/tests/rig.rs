@@ -50,6 +50,14 @@ pub(super) struct Store {
     pub(super) hold_field: HashMap<(CounterKey, u64), i64>,
     pub(super) late: VecDeque<Batch>,
     pub(super) replays: Vec<Vec<ReplayEntry>>,
+    /// The replica's incarnation (bumped by [`Rig::restarted`]), and per
+    /// (key, window) the incarnation that last wrote the local field and
+    /// the base it wrote on: as `replay.lua` does, a new incarnation's
+    /// first local write keeps the field as it finds it as its base.
+    pub(super) boot: u64,
+    pub(super) local_base: HashMap<(CounterKey, u64), (u64, i64)>,
+    /// Replays apply, then their reply is lost (a timeout to the caller).
+    pub(super) replay_loses_reply: bool,
 }
 
 pub(super) struct Fake {
@@ -207,13 +215,24 @@ impl Backend for Fake {
         for e in entries {
             let k = (e.key.clone(), e.window);
             match e.kind {
-                ReplayKind::Local => store.local_field.insert(k, e.value),
+                ReplayKind::Local => {
+                    let (boot, field) = (store.boot, store.local_field.get(&k).copied());
+                    let base = match store.local_base.get(&k) {
+                        Some(&(b, base)) if b == boot => base,
+                        _ => field.unwrap_or(0),
+                    };
+                    store.local_base.insert(k.clone(), (boot, base));
+                    store.local_field.insert(k, base + e.value)
+                }
                 ReplayKind::Repair => store.redis_field.insert(k, e.value),
                 // One replica: its own holds never count for itself.
                 ReplayKind::Hold => store.hold_field.insert(k, e.value),
             };
         }
         store.replays.push(entries.to_vec());
+        if store.replay_loses_reply {
+            return Err(CallError::Timeout(Duration::from_millis(5)));
+        }
         Ok(entries.len() as u64)
     }
 
@@ -275,6 +294,25 @@ impl Rig {
         // Mid-window, so a test's requests share one minute window.
         let clock = Arc::new(ManualClock::new(60_000 * 1_000 + 1_000));
         let fake = Fake::new(clock.clone());
+        Rig::build_on(clock, fake, journal, over_cache_ms)
+    }
+
+    /// The replica started again (after a crash: its engine is gone with
+    /// whatever it had not replayed or journaled) on the same store and
+    /// clock, restoring `journal`.
+    pub(super) fn restarted(&self, journal: Journal) -> Rig {
+        self.fake.store.lock().boot += 1;
+        let mut rig = Rig::build_on(self.clock.clone(), self.fake.clone(), Some(journal), 0);
+        rig.granted = self.granted.clone();
+        rig
+    }
+
+    fn build_on(
+        clock: Arc<ManualClock>,
+        fake: Arc<Fake>,
+        journal: Option<Journal>,
+        over_cache_ms: u64,
+    ) -> Rig {
         let cfg = ResilientConfig {
             deadline_ms: DEADLINE_MS,
             budget_max_ms: BUDGET_MAX_MS,
