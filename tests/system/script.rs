@@ -1,10 +1,10 @@
 //! decide.lua on a real redis-server, called directly: a group of equal
 //! requests (one entry whose shape says how many it stands for) answers
 //! exactly as the same requests sent as separate entries, and a request
-//! on a window whose hash holds only counts (decided the short way)
-//! answers exactly as the general path does; each leaves the same counts
-//! behind. Both forms go in one script call, on two copies of the same
-//! keys, so they see the same Redis time and the same state.
+//! (or a group of them) on a window whose hash holds only counts (decided
+//! the short way) answers exactly as the general path does; each leaves
+//! the same counts behind. Both forms go in one script call, on two copies
+//! of the same keys, so they see the same Redis time and the same state.
 
 use crate::common::{test_dir, RedisServer};
 use leasehold::redis::scripts::DECIDE_LUA;
@@ -249,7 +249,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
     // Another replica's fence: the general path ignores it, the short path
     // takes a hash holding it to the general one.
     const ODD: &str = "f9";
-    let (mut created, mut admitted, mut denied, mut stale) = (0, 0, 0, 0);
+    let (mut created, mut admitted, mut denied, mut stale, mut groups) = (0, 0, 0, 0, 0);
     for scenario in 0..80 {
         let now_ms = {
             let t = numbers(&redis.cli(&["TIME"]));
@@ -269,6 +269,19 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
                     .collect()
             })
             .collect();
+        // A third of the requests go as a group of equal ones (a hot key's
+        // batch), which the short path decides whole too.
+        let times: Vec<usize> = requests
+            .iter()
+            .map(|_| {
+                if rng.below(3) == 0 {
+                    2 + rng.below(4) as usize
+                } else {
+                    1
+                }
+            })
+            .collect();
+        let answers: usize = times.iter().sum();
         let never_deny = u64::from(rng.below(8) == 0);
         let troubled = rng.below(6) == 0;
         let base = |copy: &str, name: &str| format!("t{{{scenario}{copy}}}:{name}");
@@ -313,7 +326,11 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         args.push((2 * requests.len()).to_string());
         for copy in ["p", "q"] {
             for (n, request) in requests.iter().enumerate() {
-                args.push(format!("{},{},{never_deny}", request.len(), request.len()));
+                let mut shape = format!("{},{},{never_deny}", request.len(), request.len());
+                if times[n] > 1 {
+                    shape = format!("{shape},{}", times[n]);
+                }
+                args.push(shape);
                 args.push(format!("{copy}{n}"));
                 for (name, c) in request {
                     keys.push(base(copy, name));
@@ -334,8 +351,8 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         let out = evalsha(&redis, &sha, &keys, &args);
         let flat = numbers(&out);
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
-        let all = replies(&flat, 2 * requests.len());
-        let (short, general) = all.split_at(requests.len());
+        let all = replies(&flat, 2 * answers);
+        let (short, general) = all.split_at(answers);
         assert_eq!(
             short, general,
             "scenario {scenario}: the short path answers as the general one"
@@ -374,9 +391,22 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
                 _ => denied += 1,
             }
         }
+        // Groups the short path may decide whole: one window charge, not
+        // a refund, no presumption.
+        groups += requests
+            .iter()
+            .zip(&times)
+            .filter(|(r, &t)| {
+                t > 1
+                    && r.len() == 1
+                    && r[0].1.algorithm != 4
+                    && r[0].1.flags % 2 == 0
+                    && r[0].1.fraction == "0"
+            })
+            .count();
     }
     assert!(
-        created >= 20 && admitted >= 100 && denied >= 100 && stale >= 20,
-        "created {created}, admitted {admitted}, denied {denied}, stale {stale}"
+        created >= 20 && admitted >= 100 && denied >= 100 && stale >= 20 && groups >= 20,
+        "created {created}, admitted {admitted}, denied {denied}, stale {stale}, groups {groups}"
     );
 }
