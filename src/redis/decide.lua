@@ -173,6 +173,10 @@ local function charge_of(s)
               demand_known = flags % 16 >= 8, pinned = flags % 32 >= 16, prove = flags >= 32,
               expected_w = tonumber(expected_w), fraction = tonumber(fraction) or 0,
               pending = tonumber(pending) or 0}
+  -- One fixed or sliding window charge, not a refund, a take-back or a
+  -- presumption: what the short path and a group's members take.
+  ch.window_only = (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
+    and ch.fraction <= 0
   charges[s] = ch
   return ch
 end
@@ -414,8 +418,7 @@ for _ = 1, tonumber(ARGV[7]) do
   if shape.charges == 1 then
     local s = ARGV[ao + 2]
     local ch = charges[s] or charge_of(s)
-    local algo = ch.algo
-    if (algo == 1 or algo == 2) and not ch.refund and not ch.pinned and ch.fraction <= 0 then
+    if ch.window_only then
       member = plain(ch, KEYS[ko + 1], ARGV[ao + 3], shape.never_deny, times)
     end
   end
@@ -849,8 +852,7 @@ for _ = 1, tonumber(ARGV[7]) do
     if member == 1 and times > 1 then
       local ch = shape.charges == 1 and charges[ARGV[ao + 2]]
       local status = out[at + 1]
-      if ch and (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
-          and ch.fraction <= 0 and (status == 0 or status == 1) then
+      if ch and ch.window_only and (status == 0 or status == 1) then
         -- The members of a group after its first, which was just
         -- decided: one fixed or sliding window charge, not a refund or a
         -- take-back, no presumption, neither stale nor lost. For each of
