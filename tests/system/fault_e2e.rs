@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 const L: u64 = 100;
 const DEADLINE_MS: u64 = 50;
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -116,7 +116,7 @@ async fn cluster_on(redis: RedisServer, dir: &Path, via_proxy: bool, defaults: b
     c
 }
 
-fn status(addr: std::net::SocketAddr) -> Option<serde_json::Value> {
+pub(crate) fn status(addr: std::net::SocketAddr) -> Option<serde_json::Value> {
     get(addr, "/status")
         .ok()
         .and_then(|r| serde_json::from_str(&r.body).ok())
@@ -1286,7 +1286,10 @@ async fn sigterm_replays_lease_grants_or_says_what_was_lost() {
 /// unanswered: what they asked for is not granted where no other replica
 /// can see it. Their results are not counted by the callers.
 /// Returns how many of them were admitted (on leases).
-async fn on_leases(rep: &Leasehold, req: leasehold::proto::rls::RateLimitRequest) -> i64 {
+pub(crate) async fn on_leases(
+    rep: &Leasehold,
+    req: leasehold::proto::rls::RateLimitRequest,
+) -> i64 {
     let mut client = RateLimitServiceClient::connect(rep.grpc_uri())
         .await
         .expect("connect");

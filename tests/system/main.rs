@@ -9,6 +9,7 @@
 //! - [`sentinel`]: behind Redis Sentinel: a failover that loses writes, healed;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
+//! - [`journal`]: a restart from the journal after a replay in doubt;
 //! - [`layout`]: key layout versions: replicas of two layouts, the move of windows;
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with Envoy too;
 //! - [`operations`]: traces, logs, the admin listener, status page, metrics;
@@ -20,6 +21,7 @@ mod common;
 mod e2e;
 mod fault_e2e;
 mod hardening;
+mod journal;
 mod layout;
 mod operations;
 mod redis_e2e;
