@@ -1,6 +1,9 @@
-//! The journal on a real Redis when a replay's outcome is unknown: what a
-//! restarted replica writes must cover every grant whatever Redis kept.
+//! The journal (`journal_dir`) on a real Redis behind a fault proxy: lease
+//! grants a replica made while cut off survive a kill -9, and what a
+//! restarted replica writes covers every grant even when a replay's
+//! outcome was unknown.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::common::proxy::{FaultProxy, Mode};
@@ -9,6 +12,146 @@ use crate::fault_e2e::{now_ms, on_leases, status};
 use leasehold::proto::rls::rate_limit_response::Code;
 use leasehold::proto::rls::rate_limit_service_client::RateLimitServiceClient;
 use leasehold::redis::scripts::{DECIDE_LUA, REPLAY_LUA};
+use tonic::transport::Channel;
+
+/// A Redis behind a fault proxy, the rule `<domain>: k` at 1,000 a minute,
+/// and a journal directory; started inside a minute window with at least
+/// 30 s left, so a test stays in one window.
+struct Journaled {
+    dir: PathBuf,
+    redis: RedisServer,
+    proxy: FaultProxy,
+    rules: PathBuf,
+    url: String,
+    journal: PathBuf,
+    journal_s: String,
+    /// The key of the counter `k=v` in the current minute window.
+    key: String,
+}
+
+impl Journaled {
+    async fn start(tag: &str, domain: &str) -> Journaled {
+        let dir = test_dir(tag);
+        let redis = RedisServer::start("redis", &dir);
+        let proxy = FaultProxy::start(redis.port).await;
+        let rules = dir.join("rules");
+        std::fs::create_dir_all(&rules).expect("mkdir");
+        let rule = format!("domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: minute, requests_per_unit: 1000}}\n");
+        std::fs::write(rules.join(format!("{domain}.yaml")), rule).expect("write");
+        let journal = dir.join("journal");
+        let into = now_ms() % 60_000;
+        if into > 30_000 {
+            tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
+        }
+        let window = now_ms() / 60_000;
+        Journaled {
+            url: proxy.url(),
+            journal_s: journal.display().to_string(),
+            key: format!("lh:v2{{{domain}|k=v#60:fw}}@{window}"),
+            dir,
+            redis,
+            proxy,
+            rules,
+            journal,
+        }
+    }
+
+    /// The replicas' settings: through the proxy, with the journal, and
+    /// faster membership and probes than the defaults.
+    fn env(&self) -> Vec<(&str, &str)> {
+        vec![
+            ("LEASEHOLD_REDIS_URL", self.url.as_str()),
+            ("LEASEHOLD_MEMBERSHIP_HEARTBEAT_MS", "200"),
+            ("LEASEHOLD_MEMBERSHIP_TTL_MS", "1000"),
+            ("LEASEHOLD_BREAKER_PROBE_INTERVAL_MS", "200"),
+            ("LEASEHOLD_BREAKER_PROBE_JITTER_MS", "50"),
+            ("LEASEHOLD_JOURNAL_DIR", self.journal_s.as_str()),
+        ]
+    }
+
+    fn replica(&self, name: &str, id: &str, env: &[(&str, &str)]) -> Leasehold {
+        tokio::task::block_in_place(|| {
+            Leasehold::start(name, &self.rules, &["--replica-id", id], env, &self.dir)
+        })
+    }
+}
+
+/// With `journal_dir`, lease grants a replica made while cut off from Redis
+/// survive a kill -9 of the replica and reach Redis when it starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journaled_outage_usage_survives_a_replica_crash() {
+    let j = Journaled::start("journal", "j").await;
+    let mut env = j.env();
+    env.push(("LEASEHOLD_REDIS_DEADLINE_MS", "50"));
+    let (redis, proxy, journal) = (&j.redis, &j.proxy, &j.journal);
+    let call = |client: RateLimitServiceClient<Channel>| async move {
+        let mut client = client;
+        let req = single("j", &[("k", "v")]);
+        let r = client
+            .should_rate_limit(req)
+            .await
+            .expect("answered")
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+    };
+    let first = j.replica("first", "j1", &env);
+    let client = RateLimitServiceClient::connect(first.grpc_uri())
+        .await
+        .expect("connect");
+    for _ in 0..5 {
+        call(client.clone()).await;
+    }
+    proxy.set(Mode::Blackhole);
+    // Until Redis has been silent long enough to count as an outage, calls
+    // are denied, not granted unseen.
+    let warm = on_leases(&first, single("j", &[("k", "v")])).await;
+    for _ in 0..30 {
+        call(client.clone()).await;
+    }
+    let file = journal.join("j1.journal.json");
+    let written = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || {
+            std::fs::read_to_string(&file)
+                .is_ok_and(|t| t.contains(&format!("\"local_own\":{}", 30 + warm)))
+        })
+    });
+    assert!(
+        written,
+        "journal holds the 30 lease grants and the warm-up ones admitted on leases: {:?}",
+        std::fs::read_to_string(&file)
+    );
+    let mut first = first;
+    first.proc.signal("KILL").expect("signal KILL");
+    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    proxy.set(Mode::Pass);
+    proxy.cut();
+    let second = j.replica("second", "j1", &env);
+    assert!(
+        second
+            .proc
+            .log_text()
+            .contains("restored unreplayed lease grants"),
+        "{}",
+        second.proc.log_text()
+    );
+    let key = &j.key;
+    let exact = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(15), || {
+            redis.window_total(key) == Some(35 + warm)
+        })
+    });
+    assert!(
+        exact,
+        "Redis holds the 5 Redis-path grants and the journaled ones: {:?}",
+        redis.cli(&["HGETALL", key])
+    );
+    let emptied = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(5), || {
+            std::fs::read_to_string(&file).is_ok_and(|t| t.trim() == "[]")
+        })
+    });
+    assert!(emptied, "the journal empties once replayed");
+}
 
 /// A take-back replayed with its reply lost, then lease grants, then a
 /// crash: the restart from the journal leaves Redis holding exactly what
@@ -27,39 +170,16 @@ use leasehold::redis::scripts::{DECIDE_LUA, REPLAY_LUA};
 /// directory and faster membership and probes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
-    let dir = test_dir("journal-doubt");
-    let redis = RedisServer::start("redis", &dir);
-    let proxy = FaultProxy::start(redis.port).await;
-    let rules = dir.join("rules");
-    std::fs::create_dir_all(&rules).expect("mkdir");
-    std::fs::write(rules.join("d.yaml"), "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n").expect("write");
-    let journal = dir.join("journal");
-    let url = proxy.url();
-    let journal_s = journal.display().to_string();
-    let env = [
-        ("LEASEHOLD_REDIS_URL", url.as_str()),
-        ("LEASEHOLD_MEMBERSHIP_HEARTBEAT_MS", "200"),
-        ("LEASEHOLD_MEMBERSHIP_TTL_MS", "1000"),
-        ("LEASEHOLD_BREAKER_PROBE_INTERVAL_MS", "200"),
-        ("LEASEHOLD_BREAKER_PROBE_JITTER_MS", "50"),
-        ("LEASEHOLD_JOURNAL_DIR", journal_s.as_str()),
-    ];
+    let j = Journaled::start("journal-doubt", "d").await;
+    let env = j.env();
+    let (redis, proxy, key) = (&j.redis, &j.proxy, &j.key);
     // The replay script's name in Redis: only replay calls carry it.
     let replay_sha = redis.cli(&["SCRIPT", "LOAD", REPLAY_LUA]).trim().to_owned();
     assert_eq!(replay_sha.len(), 40, "SCRIPT LOAD: {replay_sha:?}");
     // Loaded ahead, so that the first call needs no second round trip
     // (NOSCRIPT, then a load) to stay inside its budget.
     redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]);
-    // Stay inside one minute window for the whole test.
-    let into = now_ms() % 60_000;
-    if into > 30_000 {
-        tokio::time::sleep(Duration::from_millis(60_050 - into)).await;
-    }
-    let window = now_ms() / 60_000;
-    let key = format!("lh:v2{{d|k=v#60:fw}}@{window}");
-    let first = tokio::task::block_in_place(|| {
-        Leasehold::start("first", &rules, &["--replica-id", "d1"], &env, &dir)
-    });
+    let first = j.replica("first", "d1", &env);
     let index = status(first.admin)
         .and_then(|s| s["engine"]["redis"]["membership"]["index"].as_u64())
         .expect("registered");
@@ -90,7 +210,7 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     // elsewhere would leave the replay confirmed, and nothing in doubt).
     let applied = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(5), || {
-            redis.cli(&["HGET", &key, &local_field]).trim() == "-1"
+            redis.cli(&["HGET", key, &local_field]).trim() == "-1"
                 && first.proc.log_text().contains("replay failed")
         })
     });
@@ -99,7 +219,7 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
         applied,
         "the take-back's replay ran and its reply was lost: dropped {}, {}, status {s:?}\n{}",
         proxy.dropped_replies(),
-        redis.cli(&["HGETALL", &key]),
+        redis.cli(&["HGETALL", key]),
         first.proc.log_text()
     );
     // 3: Redis silent before a replay can confirm -1 (every replay's reply
@@ -126,12 +246,10 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     proxy.clear_trap();
     proxy.set(Mode::Pass);
     proxy.cut();
-    let second = tokio::task::block_in_place(|| {
-        Leasehold::start("second", &rules, &["--replica-id", "d1"], &env, &dir)
-    });
+    let second = j.replica("second", "d1", &env);
     let exact = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(15), || {
-            redis.window_total(&key) == Some(granted as i64)
+            redis.window_total(key) == Some(granted as i64)
                 && status(second.admin)
                     .is_some_and(|s| s["engine"]["ledger"]["keys_to_replay"] == 0)
         })
@@ -139,7 +257,7 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     assert!(
         exact,
         "Redis holds the {granted} grants: {}\n{}",
-        redis.cli(&["HGETALL", &key]),
+        redis.cli(&["HGETALL", key]),
         second.proc.log_text()
     );
 }

@@ -9,7 +9,7 @@
 //! - [`sentinel`]: behind Redis Sentinel: a failover that loses writes, healed;
 //! - [`fault_e2e`]: the guarantees under faults (docs/guarantees.md);
 //! - [`hardening`]: hostile callers (slow connections, connection limits);
-//! - [`journal`]: a restart from the journal after a replay in doubt;
+//! - [`journal`]: the journal through a crash, and after a replay in doubt;
 //! - [`layout`]: key layout versions: replicas of two layouts, the move of windows;
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with Envoy too;
 //! - [`operations`]: traces, logs, the admin listener, status page, metrics;
