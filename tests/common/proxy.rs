@@ -35,7 +35,11 @@ pub enum Mode {
 #[derive(Default)]
 struct ReplyTrap {
     pattern: Option<Vec<u8>>,
-    armed: bool,
+    /// The connection that carried the request: its next reply is the one
+    /// dropped. Armed for any connection, a reply on another pooled
+    /// connection (a heartbeat's) could be dropped in its place, and the
+    /// trapped reply pass (seen: the test's replay confirmed).
+    armed: Option<u64>,
     swallow: bool,
     dropped: u64,
 }
@@ -147,7 +151,7 @@ impl FaultProxy {
     pub fn drop_replies_to(&self, pattern: &str) {
         let mut t = self.trap.lock();
         t.pattern = Some(pattern.as_bytes().to_vec());
-        t.armed = false;
+        t.armed = None;
         t.swallow = false;
     }
 
@@ -157,7 +161,7 @@ impl FaultProxy {
     pub fn swallow_next_request_to(&self, pattern: &str) {
         let mut t = self.trap.lock();
         t.pattern = Some(pattern.as_bytes().to_vec());
-        t.armed = false;
+        t.armed = None;
         t.swallow = true;
     }
 
@@ -169,7 +173,7 @@ impl FaultProxy {
     pub fn clear_trap(&self) {
         let mut t = self.trap.lock();
         t.pattern = None;
-        t.armed = false;
+        t.armed = None;
         t.swallow = false;
     }
 
@@ -237,14 +241,14 @@ async fn pump(
                             t.dropped += 1;
                             continue;
                         }
-                        t.armed = true;
+                        t.armed = Some(stall.number);
                     }
                 }
-            } else if t.armed {
+            } else if t.armed == Some(stall.number) {
                 // A reply lost on TCP means the connection is gone: drop it
                 // and close, so the client cannot pair later replies with
                 // the wrong requests.
-                t.armed = false;
+                t.armed = None;
                 t.dropped += 1;
                 return;
             }
