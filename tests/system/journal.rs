@@ -1,7 +1,7 @@
 //! The journal (`journal_dir`) on a real Redis behind a fault proxy: lease
-//! grants a replica made while cut off survive a kill -9, and what a
-//! restarted replica writes covers every grant even when a replay's
-//! outcome was unknown.
+//! grants a replica made while cut off reach the journal promptly and
+//! survive a kill -9, and what a restarted replica writes covers every
+//! grant even when a replay's outcome was unknown.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -58,11 +58,11 @@ impl Journaled {
 
     /// The replicas' settings: through the proxy, with the journal, and
     /// faster membership and probes than the defaults. Why: a restarted
-    /// replica waits until its id's membership expires (the TTL), and the
-    /// recovery loop, which also writes the journal, waits on a silent Redis
-    /// for a replay up to its budget; with the defaults both take longer
-    /// (seen: the journal still empty 1 s after lease grants), so a test
-    /// would wait longer, not see anything else.
+    /// replica waits until its id's membership expires (the TTL), and
+    /// comes back on Redis at a probe; with the defaults both take longer,
+    /// so a test would wait longer, not see anything else. The journal's
+    /// promptness with the defaults has a test of its own
+    /// (`lease_grants_reach_the_journal_promptly_while_redis_is_silent`).
     fn env(&self) -> Vec<(&str, &str)> {
         vec![
             ("LEASEHOLD_REDIS_URL", self.url.as_str()),
@@ -268,6 +268,84 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
         exact,
         "Redis holds the {granted} grants: {}\n{}",
         redis.cli(&["HGETALL", key]),
+        second.proc.log_text()
+    );
+}
+
+/// With the default settings (but a journal directory), lease grants made
+/// while Redis is silent reach the journal within 250 ms, round after
+/// round, and a kill -9 right after the last round loses none of them.
+/// The journal was written by the recovery loop, which on a silent Redis
+/// waits out a probe and the probe interval between rounds: grants reached
+/// the file up to about half a second later (seen: the journal still empty
+/// 1 s after lease grants), and a crash in that gap lost them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_grants_reach_the_journal_promptly_while_redis_is_silent() {
+    let j = Journaled::start("journal-prompt", "p").await;
+    let env = vec![
+        ("LEASEHOLD_REDIS_URL", j.url.as_str()),
+        ("LEASEHOLD_JOURNAL_DIR", j.journal_s.as_str()),
+    ];
+    let first = j.replica("first", "p1", &env);
+    let client = RateLimitServiceClient::connect(first.grpc_uri())
+        .await
+        .expect("connect");
+    let ask = || {
+        let mut client = client.clone();
+        async move {
+            let r = client
+                .should_rate_limit(single("p", &[("k", "v")]))
+                .await
+                .expect("answered")
+                .into_inner();
+            r.overall_code == Code::Ok as i32
+        }
+    };
+    for _ in 0..5 {
+        assert!(ask().await, "on Redis");
+    }
+    j.proxy.set(Mode::Blackhole);
+    let mut granted = on_leases(&first, single("p", &[("k", "v")])).await;
+    let file = j.journal.join("p1.journal.json");
+    let mut lags = Vec::new();
+    for round in 0..8u64 {
+        for _ in 0..2 {
+            assert!(ask().await, "granted on the lease");
+            granted += 1;
+        }
+        let since = std::time::Instant::now();
+        let want = format!("\"local_own\":{granted}");
+        let seen = tokio::task::block_in_place(|| {
+            wait_until(Duration::from_millis(250), || {
+                std::fs::read_to_string(&file).is_ok_and(|t| t.contains(&want))
+            })
+        });
+        lags.push(since.elapsed().as_millis());
+        assert!(
+            seen,
+            "round {round}: the journal holds {granted} lease grants within 250 ms (lags so far {lags:?} ms): {:?}",
+            std::fs::read_to_string(&file)
+        );
+        // A different phase against the engine's rounds each time.
+        tokio::time::sleep(Duration::from_millis(37 * (round + 1))).await;
+    }
+    println!("journal lags per round: {lags:?} ms (polled every 50 ms)");
+    let mut first = first;
+    first.proc.signal("KILL").expect("signal KILL");
+    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    j.proxy.set(Mode::Pass);
+    j.proxy.cut();
+    let second = j.replica("second", "p1", &env);
+    let key = &j.key;
+    let exact = tokio::task::block_in_place(|| {
+        wait_until(Duration::from_secs(20), || {
+            j.redis.window_total(key) == Some(5 + granted)
+        })
+    });
+    assert!(
+        exact,
+        "Redis holds the 5 grants on Redis and the {granted} on the lease: {}\n{}",
+        j.redis.cli(&["HGETALL", key]),
         second.proc.log_text()
     );
 }

@@ -8,7 +8,7 @@
 //! the last replay, never counts anything twice. It is written atomically
 //! (temporary file, fsync, rename, fsync of the directory so the rename
 //! itself survives a power loss) when the snapshot changes, at a rate
-//! bounded by its size (the recovery loop's `journal_interval_ms`). The
+//! bounded by its size (the journal writer's paced interval). The
 //! file is readable by its owner only (0600): it holds raw descriptor
 //! values. Its name is the replica id percent-escaped, so two ids never
 //! share a file.

@@ -35,6 +35,7 @@
 pub mod breaker;
 pub(crate) mod call;
 pub mod journal;
+mod journaling;
 pub mod lease;
 pub mod ledger;
 mod over_cache;
@@ -61,6 +62,7 @@ use journal::Journal;
 use lease::{lease_share, lease_spec};
 use ledger::{window_of, Ledger};
 
+pub use journaling::JournalWriter;
 pub use recovery::{Recovery, FINAL_REPLAY_MS};
 pub use status::{BreakerView, DecisionCounts, LeaseView, LedgerView, ReplayView, ResilientStatus};
 

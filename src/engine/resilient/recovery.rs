@@ -1,5 +1,6 @@
 //! The recovery loop: probe when tripped, replay local usage and repair
-//! suspect keys, keep membership and the ledger current, write the journal.
+//! suspect keys, keep membership and the ledger current; the journal is
+//! written by a task of its own (`journaling.rs`) beside it.
 //! One [`ResilientEngine::tick`] does one round and says how long to wait
 //! before the next, so unit tests drive trip → probe → replay → settle →
 //! healthy with a manual clock and no sleeping; [`ResilientEngine::run`]
@@ -12,15 +13,11 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::breaker::BreakerState;
-use super::journal::JournalEntry;
+use super::journaling::JournalWriter;
 use super::ResilientEngine;
 
-/// Ledger sweeps and journal writes happen at most this often.
+/// Ledger sweeps happen at most this often.
 const SWEEP_EVERY_MS: u64 = 1_000;
-const JOURNAL_EVERY_MS: u64 = 100;
-/// Journal rewrites are paced to at most this many bytes per second on
-/// average: a large snapshot is rewritten less often than every 100 ms.
-const JOURNAL_BYTES_PER_SEC: u64 = 8 * 1024 * 1024;
 /// The bound on the last replay attempt at shutdown.
 pub const FINAL_REPLAY_MS: u64 = 1_000;
 
@@ -28,20 +25,19 @@ pub const FINAL_REPLAY_MS: u64 = 1_000;
 #[derive(Debug, Default)]
 pub struct Recovery {
     last_sweep_ms: u64,
-    last_journal_ms: u64,
-    /// Milliseconds the last journal write costs at the paced rate.
-    journal_interval_ms: u64,
     reregistrations: Option<u64>,
-    journaled: Option<Vec<JournalEntry>>,
-    /// The ledger's change count the journal was last taken at.
-    journaled_at: u64,
 }
 
 impl ResilientEngine {
-    /// The background loop until `stop`.
+    /// The background loop until `stop`, with the journal writer beside it
+    /// when a journal is set.
     /// `stop` comes after the servers have drained, so the final round
     /// ([`Self::finish`]) covers every grant made while draining.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let writer = self
+            .journal
+            .is_some()
+            .then(|| tokio::spawn(self.clone().run_journal(stop.clone())));
         let mut recovery = Recovery::default();
         loop {
             let delay = self.tick(&mut recovery).await;
@@ -52,14 +48,23 @@ impl ResilientEngine {
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        self.finish(&mut recovery).await;
+        // The writer stops with the same signal; the last write is
+        // `finish`'s, after the final replay.
+        let mut journaled = match writer {
+            Some(task) => task.await.unwrap_or_else(|e| {
+                tracing::error!(error = %e, "journal writer failed");
+                JournalWriter::default()
+            }),
+            None => JournalWriter::default(),
+        };
+        self.finish(&mut journaled).await;
     }
 
     /// The last round before exit: one attempt, bounded by
     /// [`FINAL_REPLAY_MS`], to replay what the leases granted (probing first
     /// when tripped), then a last journal write, and one log line saying
     /// what neither saved.
-    pub async fn finish(&self, r: &mut Recovery) {
+    pub async fn finish(&self, journaled: &mut JournalWriter) {
         let attempt = async {
             // Calls past their budget may still answer: their counts must be
             // folded in before the last replay.
@@ -78,10 +83,7 @@ impl ResilientEngine {
         };
         let _ = tokio::time::timeout(Duration::from_millis(FINAL_REPLAY_MS), attempt).await;
         self.absorb_late();
-        if self.journal.is_some() {
-            // Its errors are logged there; nothing is left to retry with.
-            let _ = self.write_journal(&mut r.journaled).await;
-        }
+        self.last_journal_write(journaled).await;
         let (keys, hits, _) = self.ledger.pending();
         let dropped = self
             .ledger
@@ -115,25 +117,6 @@ impl ResilientEngine {
         let now = self.clock.now_ms();
         let state = self.breaker_state();
         self.follow_membership(state, r);
-        let journal_every = r.journal_interval_ms.max(JOURNAL_EVERY_MS);
-        // Taken only when the ledger changed since (a snapshot walks every
-        // entry): a lease grant, a replay, and once a second (the sweep).
-        let changes = self.ledger.changes();
-        if self.journal.is_some()
-            && changes != r.journaled_at
-            && now >= r.last_journal_ms + journal_every
-        {
-            r.last_journal_ms = now;
-            match self.write_journal(&mut r.journaled).await {
-                Ok(Some(bytes)) => {
-                    r.journaled_at = changes;
-                    r.journal_interval_ms = bytes as u64 * 1_000 / JOURNAL_BYTES_PER_SEC;
-                }
-                Ok(None) => r.journaled_at = changes,
-                // Tried again at the next round.
-                Err(()) => {}
-            }
-        }
         if now >= r.last_sweep_ms + SWEEP_EVERY_MS {
             r.last_sweep_ms = now;
             let redis_now = self.redis_now(now);
@@ -310,54 +293,13 @@ impl ResilientEngine {
             }
         }
     }
-
-    /// Writes the journal snapshot when it changed since the last write:
-    /// the bytes written, `None` when it had not changed, an error (logged
-    /// here) when the write failed and is to be tried again.
-    async fn write_journal(
-        &self,
-        last: &mut Option<Vec<JournalEntry>>,
-    ) -> Result<Option<usize>, ()> {
-        let Some(journal) = self.journal.as_ref() else {
-            return Ok(None);
-        };
-        let mut unreplayed = Vec::new();
-        each_shard(self.ledger.shard_count(), |i| {
-            self.ledger.unreplayed_snapshot_shard(i, &mut unreplayed);
-        })
-        .await;
-        let snapshot: Vec<_> = unreplayed
-            .iter()
-            .map(|(k, s, w, n, replayed)| JournalEntry::new(k, s, *w, *n).with_replayed(*replayed))
-            .collect();
-        if last.as_ref() == Some(&snapshot) {
-            return Ok(None);
-        }
-        let journal = journal.clone();
-        let data = snapshot.clone();
-        let result = tokio::task::spawn_blocking(move || journal.store(&data)).await;
-        match result {
-            Ok(Ok(bytes)) => {
-                *last = Some(snapshot);
-                Ok(Some(bytes))
-            }
-            Ok(Err(e)) => {
-                tracing::error!(error = %e, "cannot write the journal");
-                Err(())
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "journal task failed");
-                Err(())
-            }
-        }
-    }
 }
 
 /// Runs `f` for each of `shards` shards, letting the thread's other tasks
 /// (connections, Redis calls) run between them: the engine loop shares its
 /// thread with them, and a scan of a large ledger at once held them all
 /// (200,000 keys: about 15 ms, the p99.9 of four replicas at 34–41 ms).
-async fn each_shard(shards: usize, mut f: impl FnMut(usize)) {
+pub(super) async fn each_shard(shards: usize, mut f: impl FnMut(usize)) {
     for i in 0..shards {
         f(i);
         tokio::task::yield_now().await;
