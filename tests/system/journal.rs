@@ -73,6 +73,17 @@ impl Journaled {
     }
 }
 
+/// One call for `k=v` in `domain`: whether it was admitted.
+async fn admitted(client: &RateLimitServiceClient<Channel>, domain: &str) -> bool {
+    let r = client
+        .clone()
+        .should_rate_limit(single(domain, &[("k", "v")]))
+        .await
+        .expect("answered")
+        .into_inner();
+    r.overall_code == Code::Ok as i32
+}
+
 /// With `journal_dir`, lease grants a replica made while cut off from Redis
 /// survive a kill -9 of the replica and reach Redis when it starts again.
 /// Default settings, with a journal directory.
@@ -81,29 +92,19 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     let j = Journaled::start("journal", "j").await;
     let env = j.env();
     let (redis, proxy, journal) = (&j.redis, &j.proxy, &j.journal);
-    let call = |client: RateLimitServiceClient<Channel>| async move {
-        let mut client = client;
-        let req = single("j", &[("k", "v")]);
-        let r = client
-            .should_rate_limit(req)
-            .await
-            .expect("answered")
-            .into_inner();
-        assert_eq!(r.overall_code, Code::Ok as i32);
-    };
     let first = j.replica("first", "j1", &env);
     let client = RateLimitServiceClient::connect(first.grpc_uri())
         .await
         .expect("connect");
     for _ in 0..5 {
-        call(client.clone()).await;
+        assert!(admitted(&client, "j").await, "on Redis");
     }
     proxy.set(Mode::Blackhole);
     // Until Redis has been silent long enough to count as an outage, calls
     // are denied, not granted unseen.
     let warm = on_leases(&first, single("j", &[("k", "v")])).await;
     for _ in 0..30 {
-        call(client.clone()).await;
+        assert!(admitted(&client, "j").await, "granted on the lease");
     }
     let file = journal.join("j1.journal.json");
     let written = tokio::task::block_in_place(|| {
@@ -183,17 +184,7 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     let client = RateLimitServiceClient::connect(first.grpc_uri())
         .await
         .expect("connect");
-    let ask = || {
-        let mut client = client.clone();
-        async move {
-            let r = client
-                .should_rate_limit(single("d", &[("k", "v")]))
-                .await
-                .expect("answered")
-                .into_inner();
-            u64::from(r.overall_code == Code::Ok as i32)
-        }
-    };
+    let ask = || async { u64::from(admitted(&client, "d").await) };
     let mut granted = ask().await;
     assert_eq!(granted, 1, "on Redis");
     // 1-2: the late call, and its take-back's replay with the reply lost.
@@ -287,17 +278,7 @@ async fn lease_grants_reach_the_journal_promptly_while_redis_is_silent() {
     let client = RateLimitServiceClient::connect(first.grpc_uri())
         .await
         .expect("connect");
-    let ask = || {
-        let mut client = client.clone();
-        async move {
-            let r = client
-                .should_rate_limit(single("p", &[("k", "v")]))
-                .await
-                .expect("answered")
-                .into_inner();
-            r.overall_code == Code::Ok as i32
-        }
-    };
+    let ask = || admitted(&client, "p");
     for _ in 0..5 {
         assert!(ask().await, "on Redis");
     }
