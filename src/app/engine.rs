@@ -29,13 +29,16 @@ pub(super) struct Built {
     pub loops: Option<RedisLoops>,
 }
 
-/// The resilient engine's loop and the membership heartbeat, each with its
-/// own stop: the engine's last round (replay, journal) runs after the
-/// servers have drained and before this replica leaves the member set.
-/// Both are supervised: a handle is taken once its task has ended.
+/// The resilient engine's loop, its journal writer (with `journal_dir`)
+/// and the membership heartbeat: the engine's last round (replay, journal)
+/// runs after the servers have drained and before this replica leaves the
+/// member set. All are supervised: a handle is taken once its task has
+/// ended.
 pub(super) struct RedisLoops {
+    /// Stops the engine loop and the journal writer.
     engine_stop: watch::Sender<bool>,
     engine: Option<JoinHandle<Outcome>>,
+    journal: Option<JoinHandle<Outcome>>,
     members_stop: watch::Sender<bool>,
     members: Option<JoinHandle<Outcome>>,
 }
@@ -44,10 +47,14 @@ impl RedisLoops {
     /// Resolves when either loop ends (before the stop signal, a failure).
     pub async fn ended(&mut self) -> Outcome {
         let RedisLoops {
-            engine, members, ..
+            engine,
+            journal,
+            members,
+            ..
         } = self;
         tokio::select! {
             r = wait(engine) => r,
+            r = wait(journal) => r,
             r = wait(members) => r,
         }
     }
@@ -59,6 +66,9 @@ impl RedisLoops {
             if tokio::time::timeout(limit, engine).await.is_err() {
                 tracing::warn!("the engine's last round did not finish in time");
             }
+        }
+        if let Some(journal) = self.journal {
+            let _ = tokio::time::timeout(Duration::from_secs(2), journal).await;
         }
         let _ = self.members_stop.send(true);
         if let Some(members) = self.members {
@@ -114,6 +124,12 @@ pub(super) async fn build(
     ));
     resilient.set_redis_call_histogram(metrics.redis_call_histogram());
     let (engine_stop, engine_rx) = watch::channel(false);
+    let journal = settings.journal_dir.is_some().then(|| {
+        tokio::spawn(supervised(
+            "journal writer",
+            resilient.clone().run_journal(engine_rx.clone()),
+        ))
+    });
     let engine = tokio::spawn(supervised("engine loop", resilient.clone().run(engine_rx)));
     Ok(Built {
         engine: resilient,
@@ -121,6 +137,7 @@ pub(super) async fn build(
         loops: Some(RedisLoops {
             engine_stop,
             engine: Some(engine),
+            journal,
             members_stop,
             members: Some(members),
         }),

@@ -192,7 +192,8 @@ fn connections_past_the_limit_are_closed_at_once() {
 
 /// A background task that panics (injected in test builds) stops the
 /// replica in order: NOT_SERVING first, then a non-zero exit that names the
-/// task. Once for a loop of the server itself, once for the engine's.
+/// task. Once for a loop of the server itself, once for the engine's, once
+/// for the journal writer (which has its own task).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_background_task_reports_not_serving_and_exits_non_zero() {
     use tonic_health::pb::health_client::HealthClient;
@@ -202,11 +203,20 @@ async fn a_panicking_background_task_reports_not_serving_and_exits_non_zero() {
     let rules = write_rules(&dir, "h.yaml", RULES);
     let redis = crate::common::RedisServer::start("redis", &dir);
     let url = redis.url();
-    for (task, redis_url) in [("rules reload", None), ("engine loop", Some(url.as_str()))] {
+    let journal = dir.join("journal").display().to_string();
+    let on_redis = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    let journaled = [
+        ("LEASEHOLD_REDIS_URL", url.as_str()),
+        ("LEASEHOLD_JOURNAL_DIR", journal.as_str()),
+    ];
+    let cases: [(&str, &[(&str, &str)]); 3] = [
+        ("rules reload", &[]),
+        ("engine loop", &on_redis),
+        ("journal writer", &journaled),
+    ];
+    for (task, extra) in cases {
         let mut env = vec![("LH_FAULT_PANIC_TASK", task)];
-        if let Some(u) = redis_url {
-            env.push(("LEASEHOLD_REDIS_URL", u));
-        }
+        env.extend_from_slice(extra);
         let mut server = Leasehold::start(task, &rules, &[], &env, &dir);
         let channel = tonic::transport::Endpoint::from_shared(server.grpc_uri())
             .expect("uri")

@@ -1,10 +1,10 @@
-//! The journal writer: a task of its own that snapshots the unreplayed
-//! lease grants into the journal within [`JOURNAL_EVERY_MS`] of a change,
-//! whatever the recovery loop is waiting on. It used to be a step of that
-//! loop, which on a silent Redis waits out a probe (a PING and a heartbeat,
-//! up to the reply timeout) and then the probe interval: lease grants made
-//! meanwhile reached the file only a second or more later, and a kill -9
-//! in that gap lost them from the journal.
+//! The journal writer: a supervised task of its own that snapshots the
+//! unreplayed lease grants into the journal within [`JOURNAL_EVERY_MS`] of
+//! a change, whatever the recovery loop is waiting on. It used to be a step
+//! of that loop, which on a silent Redis waits out a probe (a PING and a
+//! heartbeat) and then the probe interval: lease grants made meanwhile
+//! reached the file half a second or more later, and a kill -9 in that gap
+//! lost them from the journal.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,26 +35,26 @@ pub struct JournalWriter {
 }
 
 impl ResilientEngine {
-    /// The writer's loop until `stop`; returns its state for the last write
-    /// ([`Self::finish`] makes it after the final replay).
-    pub async fn run_journal(self: Arc<Self>, mut stop: watch::Receiver<bool>) -> JournalWriter {
-        let mut w = JournalWriter::default();
+    /// The writer's loop until `stop`, a supervised task of its own beside
+    /// the recovery loop (only with a journal). The last write is
+    /// [`Self::finish`]'s, after the final replay.
+    pub async fn run_journal(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         loop {
-            self.journal_round(&mut w).await;
+            self.journal_round().await;
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(JOURNAL_EVERY_MS)) => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        w
     }
 
     /// One round: a write when the ledger changed since the last one and
     /// the paced interval has passed.
-    pub async fn journal_round(&self, w: &mut JournalWriter) {
+    pub async fn journal_round(&self) {
         if self.journal.is_none() {
             return;
         }
+        let mut w = self.journal_writer.lock().await;
         let now = self.clock.now_ms();
         // Taken only when the ledger changed since (a snapshot walks every
         // entry): a lease grant, a replay, and once a second (the sweep).
@@ -115,9 +115,9 @@ impl ResilientEngine {
         }
     }
 
-    /// The last write, after the final replay: `w` is the writer's state
-    /// when it stopped.
-    pub(super) async fn last_journal_write(&self, w: &mut JournalWriter) {
+    /// The last write, after the final replay.
+    pub(super) async fn last_journal_write(&self) {
+        let mut w = self.journal_writer.lock().await;
         // Its errors are logged there; nothing is left to retry with.
         let _ = self.write_journal(&mut w.written).await;
     }

@@ -62,7 +62,7 @@ use journal::Journal;
 use lease::{lease_share, lease_spec};
 use ledger::{window_of, Ledger};
 
-pub use journaling::JournalWriter;
+use journaling::JournalWriter;
 pub use recovery::{Recovery, FINAL_REPLAY_MS};
 pub use status::{BreakerView, DecisionCounts, LeaseView, LedgerView, ReplayView, ResilientStatus};
 
@@ -135,6 +135,9 @@ pub struct ResilientEngine {
     cfg: ResilientConfig,
     wake: Notify,
     journal: Option<Journal>,
+    /// The journal writer's state; the lock keeps its task and the last
+    /// write at shutdown from writing at once.
+    journal_writer: tokio::sync::Mutex<JournalWriter>,
     pub stats: Stats,
     /// Latency of Redis decision calls, seconds, once /metrics provides it.
     redis_call_seconds: OnceLock<prometheus::Histogram>,
@@ -185,6 +188,7 @@ impl ResilientEngine {
             cfg,
             wake: Notify::new(),
             journal,
+            journal_writer: tokio::sync::Mutex::new(JournalWriter::default()),
             stats: Stats::default(),
             redis_call_seconds: OnceLock::new(),
             unanswered_since_ms: AtomicU64::new(0),

@@ -13,7 +13,6 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::breaker::BreakerState;
-use super::journaling::JournalWriter;
 use super::ResilientEngine;
 
 /// Ledger sweeps happen at most this often.
@@ -29,15 +28,10 @@ pub struct Recovery {
 }
 
 impl ResilientEngine {
-    /// The background loop until `stop`, with the journal writer beside it
-    /// when a journal is set.
+    /// The background loop until `stop`.
     /// `stop` comes after the servers have drained, so the final round
     /// ([`Self::finish`]) covers every grant made while draining.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
-        let writer = self
-            .journal
-            .is_some()
-            .then(|| tokio::spawn(self.clone().run_journal(stop.clone())));
         let mut recovery = Recovery::default();
         loop {
             let delay = self.tick(&mut recovery).await;
@@ -48,23 +42,14 @@ impl ResilientEngine {
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        // The writer stops with the same signal; the last write is
-        // `finish`'s, after the final replay.
-        let mut journaled = match writer {
-            Some(task) => task.await.unwrap_or_else(|e| {
-                tracing::error!(error = %e, "journal writer failed");
-                JournalWriter::default()
-            }),
-            None => JournalWriter::default(),
-        };
-        self.finish(&mut journaled).await;
+        self.finish().await;
     }
 
     /// The last round before exit: one attempt, bounded by
     /// [`FINAL_REPLAY_MS`], to replay what the leases granted (probing first
     /// when tripped), then a last journal write, and one log line saying
     /// what neither saved.
-    pub async fn finish(&self, journaled: &mut JournalWriter) {
+    pub async fn finish(&self) {
         let attempt = async {
             // Calls past their budget may still answer: their counts must be
             // folded in before the last replay.
@@ -83,7 +68,9 @@ impl ResilientEngine {
         };
         let _ = tokio::time::timeout(Duration::from_millis(FINAL_REPLAY_MS), attempt).await;
         self.absorb_late();
-        self.last_journal_write(journaled).await;
+        if self.journal.is_some() {
+            self.last_journal_write().await;
+        }
         let (keys, hits, _) = self.ledger.pending();
         let dropped = self
             .ledger

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use super::super::breaker::{BreakerConfig, BreakerState};
 use super::super::journal::Journal;
-use super::super::{JournalWriter, Recovery, ResilientConfig, ResilientEngine};
+use super::super::{Recovery, ResilientConfig, ResilientEngine};
 use crate::clock::{Clock, ManualClock};
 use crate::domain::backend::{
     Backend, CallError, Members, Presume, RawItem, RawReply, ReplayEntry, ReplayKind,
@@ -269,9 +269,6 @@ pub(super) struct Rig {
     pub(super) fake: Arc<Fake>,
     pub(super) engine: ResilientEngine,
     pub(super) recovery: Recovery,
-    /// The journal writer's state: a tick of the rig is one round of the
-    /// recovery loop and one of the writer.
-    pub(super) journaled: JournalWriter,
     pub(super) spec: LimitSpec,
     /// Requests admitted so far, per key.
     pub(super) granted: HashMap<CounterKey, i64>,
@@ -339,7 +336,6 @@ impl Rig {
             fake,
             engine,
             recovery: Recovery::default(),
-            journaled: JournalWriter::default(),
             spec: LimitSpec::fixed(1_000, Unit::Minute),
             granted: HashMap::new(),
         }
@@ -385,9 +381,10 @@ impl Rig {
         self.clock.now_ms() / self.spec.unit.millis()
     }
 
+    /// One round of the recovery loop and one of the journal writer.
     pub(super) async fn tick(&mut self) {
         self.engine.tick(&mut self.recovery).await;
-        self.engine.journal_round(&mut self.journaled).await;
+        self.engine.journal_round().await;
     }
 
     pub(super) fn state(&self) -> BreakerState {
