@@ -66,11 +66,27 @@ impl Journaled {
         ]
     }
 
+    /// Waits up to `limit` for replica `id`'s journal to hold `local_own`
+    /// grants in the key's window: whether it did, and the journal's text.
+    fn journal_holds(&self, id: &str, local_own: i64, limit: Duration) -> (bool, String) {
+        let file = self.journal.join(format!("{id}.journal.json"));
+        let want = format!("\"local_own\":{local_own}");
+        let read = || std::fs::read_to_string(&file).unwrap_or_default();
+        let held = tokio::task::block_in_place(|| wait_until(limit, || read().contains(&want)));
+        (held, read())
+    }
+
     fn replica(&self, name: &str, id: &str, env: &[(&str, &str)]) -> Leasehold {
         tokio::task::block_in_place(|| {
             Leasehold::start(name, &self.rules, &["--replica-id", id], env, &self.dir)
         })
     }
+}
+
+/// kill -9, and the exit waited for.
+fn crash(mut replica: Leasehold) {
+    replica.proc.signal("KILL").expect("signal KILL");
+    let _ = tokio::task::block_in_place(|| replica.proc.wait_exit(Duration::from_secs(5)));
 }
 
 /// One call for `k=v` in `domain`: whether it was admitted.
@@ -91,7 +107,7 @@ async fn admitted(client: &RateLimitServiceClient<Channel>, domain: &str) -> boo
 async fn journaled_outage_usage_survives_a_replica_crash() {
     let j = Journaled::start("journal", "j").await;
     let env = j.env();
-    let (redis, proxy, journal) = (&j.redis, &j.proxy, &j.journal);
+    let (redis, proxy) = (&j.redis, &j.proxy);
     let first = j.replica("first", "j1", &env);
     let client = RateLimitServiceClient::connect(first.grpc_uri())
         .await
@@ -106,21 +122,12 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     for _ in 0..30 {
         assert!(admitted(&client, "j").await, "granted on the lease");
     }
-    let file = journal.join("j1.journal.json");
-    let written = tokio::task::block_in_place(|| {
-        wait_until(Duration::from_secs(5), || {
-            std::fs::read_to_string(&file)
-                .is_ok_and(|t| t.contains(&format!("\"local_own\":{}", 30 + warm)))
-        })
-    });
+    let (written, text) = j.journal_holds("j1", 30 + warm, Duration::from_secs(5));
     assert!(
         written,
-        "journal holds the 30 lease grants and the warm-up ones admitted on leases: {:?}",
-        std::fs::read_to_string(&file)
+        "journal holds the 30 lease grants and the warm-up ones admitted on leases: {text:?}"
     );
-    let mut first = first;
-    first.proc.signal("KILL").expect("signal KILL");
-    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    crash(first);
     proxy.set(Mode::Pass);
     proxy.cut();
     let second = j.replica("second", "j1", &env);
@@ -145,7 +152,8 @@ async fn journaled_outage_usage_survives_a_replica_crash() {
     );
     let emptied = tokio::task::block_in_place(|| {
         wait_until(Duration::from_secs(5), || {
-            std::fs::read_to_string(&file).is_ok_and(|t| t.trim() == "[]")
+            std::fs::read_to_string(j.journal.join("j1.journal.json"))
+                .is_ok_and(|t| t.trim() == "[]")
         })
     });
     assert!(emptied, "the journal empties once replayed");
@@ -228,22 +236,11 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     // Every lease grant journaled: the local count is the grants but the
     // one on Redis, less the take-back. (Waiting for any entry let the
     // kill come before the last grants were written: seen, Redis 2 for 8.)
-    let file = j.journal.join("d1.journal.json");
-    let want = format!("\"local_own\":{}", granted as i64 - 2);
-    let written = tokio::task::block_in_place(|| {
-        wait_until(Duration::from_secs(5), || {
-            std::fs::read_to_string(&file).is_ok_and(|t| t.contains(&want))
-        })
-    });
-    assert!(
-        written,
-        "journaled, {want}: {:?}",
-        std::fs::read_to_string(&file)
-    );
+    let want = granted as i64 - 2;
+    let (written, text) = j.journal_holds("d1", want, Duration::from_secs(5));
+    assert!(written, "journaled, local_own {want}: {text:?}");
     // 4: crash, Redis back, restart.
-    let mut first = first;
-    first.proc.signal("KILL").expect("signal KILL");
-    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    crash(first);
     proxy.clear_trap();
     proxy.set(Mode::Pass);
     proxy.cut();
@@ -284,7 +281,6 @@ async fn lease_grants_reach_the_journal_promptly_while_redis_is_silent() {
     }
     j.proxy.set(Mode::Blackhole);
     let mut granted = on_leases(&first, single("p", &[("k", "v")])).await;
-    let file = j.journal.join("p1.journal.json");
     let mut lags = Vec::new();
     for round in 0..8u64 {
         for _ in 0..2 {
@@ -292,25 +288,17 @@ async fn lease_grants_reach_the_journal_promptly_while_redis_is_silent() {
             granted += 1;
         }
         let since = std::time::Instant::now();
-        let want = format!("\"local_own\":{granted}");
-        let seen = tokio::task::block_in_place(|| {
-            wait_until(Duration::from_millis(250), || {
-                std::fs::read_to_string(&file).is_ok_and(|t| t.contains(&want))
-            })
-        });
+        let (seen, text) = j.journal_holds("p1", granted, Duration::from_millis(250));
         lags.push(since.elapsed().as_millis());
         assert!(
             seen,
-            "round {round}: the journal holds {granted} lease grants within 250 ms (lags so far {lags:?} ms): {:?}",
-            std::fs::read_to_string(&file)
+            "round {round}: the journal holds {granted} lease grants within 250 ms (lags so far {lags:?} ms): {text:?}"
         );
         // A different phase against the engine's rounds each time.
         tokio::time::sleep(Duration::from_millis(37 * (round + 1))).await;
     }
     println!("journal lags per round: {lags:?} ms (polled every 50 ms)");
-    let mut first = first;
-    first.proc.signal("KILL").expect("signal KILL");
-    let _ = tokio::task::block_in_place(|| first.proc.wait_exit(Duration::from_secs(5)));
+    crash(first);
     j.proxy.set(Mode::Pass);
     j.proxy.cut();
     let second = j.replica("second", "p1", &env);
