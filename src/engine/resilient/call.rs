@@ -289,7 +289,7 @@ impl ResilientEngine {
         let result = self.weigh_loss(batch, &marks, result);
         waiting.armed = false;
         let moving = matches!(result, Err(CallError::SlotMoving(_)));
-        let outcome = self.settle_call(batch, result, now);
+        let outcome = self.settle_call(batch, result, now, started);
         // After the reply's deltas are recorded (or the key marked suspect),
         // so the confirmed count already includes this call's refund.
         for c in &batch.charges {
@@ -415,11 +415,12 @@ impl ResilientEngine {
         batch: &Batch,
         result: Result<RawReply, CallError>,
         now: u64,
+        started: Instant,
     ) -> Option<BatchOutcome> {
         match result {
             Ok(reply) => {
                 self.breaker.lock().on_success();
-                Some(self.on_reply(batch, &reply, now))
+                Some(self.on_reply(batch, &reply, started))
             }
             Err(e) => {
                 tracing::debug!(error = %e, "Redis call failed; deciding locally");
@@ -453,10 +454,18 @@ impl ResilientEngine {
         }
     }
 
-    fn on_reply(&self, batch: &Batch, reply: &RawReply, sent_ms: u64) -> BatchOutcome {
+    fn on_reply(&self, batch: &Batch, reply: &RawReply, started: Instant) -> BatchOutcome {
         let now = self.clock.now_ms();
         self.note_answer();
-        let mid = (sent_ms + now) / 2;
+        // When Redis ran the call, on this replica's clock: half the round
+        // trip ago, the trip timed on the monotonic clock. The midpoint of
+        // the wall clock's reads at sending and now would carry half of a
+        // step of the wall clock during the call (a time sync correcting
+        // it) into the offset, and keep it there until the next reply: on
+        // leases, the replica's windows would start and end that much off
+        // Redis's.
+        let half_trip = u64::try_from(started.elapsed().as_millis() / 2).unwrap_or(u64::MAX);
+        let mid = now.saturating_sub(half_trip);
         self.offset_ms
             .store(reply.now_ms as i64 - mid as i64, Ordering::Relaxed);
         for (c, item) in batch.charges.iter().zip(&reply.items) {

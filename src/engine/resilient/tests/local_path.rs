@@ -1,10 +1,14 @@
-//! The local path's own bounds: hits clamped as on the Redis path, and a
+//! The local path's own bounds: hits clamped as on the Redis path, a
 //! restarted replica's leases starting from what its journal says it had
-//! already granted.
+//! already granted, and lease windows on Redis's time after a step of the
+//! wall clock.
+
+use std::sync::atomic::Ordering;
 
 use super::rig::*;
+use crate::clock::Clock;
 use crate::domain::backend::ReplayKind;
-use crate::domain::{Batch, Charge, MAX_HITS};
+use crate::domain::{Batch, Charge, DecisionPath, MAX_HITS};
 use crate::engine::resilient::breaker::BreakerState;
 use crate::engine::resilient::journal::{Journal, JournalEntry};
 use crate::engine::Engine;
@@ -151,4 +155,30 @@ async fn a_restart_from_the_journal_after_a_replay_in_doubt_counts_exactly() {
     }
     assert_eq!(second.pending().1, 0, "replayed");
     second.assert_exact();
+}
+
+/// The wall clock stepped back 10 s (a time sync) while a call was out,
+/// on the replica's host and Redis's alike. The replica's estimate of
+/// Redis's time must follow the step, not half of it: from the midpoint of
+/// its two wall-clock reads it put Redis 5 s behind, so decisions on its
+/// leases fell in windows 5 s off the ones Redis and the clients use.
+#[tokio::test]
+async fn a_wall_clock_step_during_a_call_leaves_lease_windows_on_redis_time() {
+    let mut rig = Rig::new();
+    // 30 s into the rig's minute window; stepped back to 20 s into it.
+    rig.clock.advance(29_000);
+    rig.fake.step_during_call.store(-10_000, Ordering::SeqCst);
+    assert_eq!(rig.hit("a").await, DecisionPath::Redis);
+    assert_eq!(rig.clock.now_ms() % 60_000, 20_000, "the step happened");
+    rig.fake.set(Mode::Refused);
+    let outcome = rig
+        .engine
+        .apply(&rig.batch("a"))
+        .await
+        .expect("never an error");
+    assert_eq!(outcome.path, DecisionPath::Local);
+    assert_eq!(
+        outcome.items[0].reset_ms, 40_000,
+        "the lease's window ends when Redis's does, 40 s after the stepped clock"
+    );
 }

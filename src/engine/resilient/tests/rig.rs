@@ -4,7 +4,7 @@
 //! the grants; and a manual clock with the recovery loop ticked by hand.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +69,9 @@ pub(super) struct Fake {
     /// Answers the store gave that no caller has taken in yet (say a
     /// Cluster's refusals for a slot being moved): see [`Backend::heard`].
     pub(super) heard: AtomicUsize,
+    /// A step of the wall clock (ms, either way) made while the next
+    /// decision call is out, before the store runs it.
+    pub(super) step_during_call: AtomicI64,
 }
 
 impl Fake {
@@ -80,6 +83,7 @@ impl Fake {
             decide_calls: AtomicUsize::new(0),
             gate: tokio::sync::Notify::new(),
             heard: AtomicUsize::new(0),
+            step_during_call: AtomicI64::new(0),
         })
     }
 
@@ -187,6 +191,11 @@ impl Backend for Fake {
         _presume: &Presume,
     ) -> Result<RawReply, CallError> {
         self.decide_calls.fetch_add(1, Ordering::SeqCst);
+        let step = self.step_during_call.swap(0, Ordering::SeqCst);
+        if step != 0 {
+            let stepped = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX) + step;
+            self.clock.set(u64::try_from(stepped).unwrap_or(0));
+        }
         let mode = *self.mode.lock();
         match mode {
             Mode::Up => Ok(self.execute(batch)),
