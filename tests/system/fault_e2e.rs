@@ -266,6 +266,12 @@ fn assert_redis_equals_grants(
     assert_value_equals_grants(c, algo_key, "hot", tag, per_window);
 }
 
+/// The Redis key of the rules' per-second counter `algo_key=value` (tag
+/// `tag`) for the window ending at `end` ms.
+fn window_key(algo_key: &str, value: &str, tag: &str, end: u64) -> String {
+    format!("lh:v2{{f|{algo_key}={value}#1:{tag}}}@{}", end / 1000 - 1)
+}
+
 /// [`assert_redis_equals_grants`] for one value of the key.
 fn assert_value_equals_grants(
     c: &Cluster,
@@ -277,8 +283,7 @@ fn assert_value_equals_grants(
     let mut report = Vec::new();
     let mut bad = false;
     for (end, ok) in per_window {
-        let index = end / 1000 - 1;
-        let key = format!("lh:v2{{f|{algo_key}={value}#1:{tag}}}@{index}");
+        let key = window_key(algo_key, value, tag, *end);
         let total = c.redis.window_total(&key);
         bad |= total != Some(*ok as i64);
         report.push(format!(
@@ -379,7 +384,7 @@ fn past_bound(
                 at.last()
             ));
         }
-        let key = format!("lh:v2{{f|{algo_key}=hot#1:{tag}}}@{}", end / 1000 - 1);
+        let key = window_key(algo_key, "hot", tag, end);
         out.push(format!(
             "  Redis: {:?}",
             c.redis.cli(&["HGETALL", &key]).lines().collect::<Vec<_>>()
@@ -823,7 +828,7 @@ fn check_values(c: &Cluster, samples: &[Vec<Sample>], fault: Option<(u64, u64)>)
         eprintln!("{v}: {:?}", per_window.values().collect::<Vec<_>>());
         for (end, n) in per_window.iter().filter(|(_, n)| **n > L) {
             let by: Vec<usize> = (0..4).map(|r| admitted_by(s, r, *end)).collect();
-            let key = format!("lh:v2{{f|fw={v}#1:fw}}@{}", end / 1000 - 1);
+            let key = window_key("fw", v, "fw", *end);
             let fields = c
                 .redis
                 .cli(&["HGETALL", &key])

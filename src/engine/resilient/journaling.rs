@@ -97,14 +97,19 @@ impl ResilientEngine {
             return Ok(None);
         }
         let journal = journal.clone();
-        let data = snapshot.clone();
-        let result = tokio::task::spawn_blocking(move || journal.store(&data)).await;
+        // The snapshot goes to the blocking task and comes back to be kept
+        // as the last one written, not copied (it can be megabytes).
+        let result = tokio::task::spawn_blocking(move || {
+            let stored = journal.store(&snapshot);
+            (stored, snapshot)
+        })
+        .await;
         match result {
-            Ok(Ok(bytes)) => {
+            Ok((Ok(bytes), snapshot)) => {
                 *last = Some(snapshot);
                 Ok(Some(bytes))
             }
-            Ok(Err(e)) => {
+            Ok((Err(e), _)) => {
                 tracing::error!(error = %e, "cannot write the journal");
                 Err(())
             }
