@@ -13,15 +13,25 @@ use crate::domain::Batch;
 use crate::key::CounterKey;
 use crate::limit::LimitSpec;
 
+/// [`RawItem::own`]: the previous window was read and some replica decided
+/// off Redis in it, so it gives no demand share.
+pub const DEMAND_TROUBLED: i64 = -1;
+
+/// [`RawItem::own`]: the call did not read the previous window.
+pub const DEMAND_NOT_READ: i64 = -2;
+
 /// One charge's part of a decision reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawItem {
     pub over: bool,
     pub remaining: u64,
     pub reset_ms: u64,
-    /// This replica's count for the key's window(s) after the call; -1 when
-    /// the algorithm keeps none (sliding log).
+    /// This replica's count in the key's previous (complete) window, for
+    /// its demand share: [`DEMAND_TROUBLED`] when some replica decided off
+    /// Redis in that window, [`DEMAND_NOT_READ`] when the call did not read
+    /// it (the replica holds it already, or the algorithm keeps none).
     pub own: i64,
+    /// The key's total in that window (0 with either mark above).
     pub total: i64,
     /// What the call changed this replica's field by (0 when denied).
     pub delta: i64,

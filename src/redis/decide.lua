@@ -59,7 +59,8 @@
 -- empty or failed over): the replica re-asserts its counts. remaining: -1
 -- when the charge is over its limit. own/total: this replica's count and
 -- the key's total in the previous (complete) window, for demand shares
--- (own -1 when some replica decided off Redis in it). delta: what the
+-- (own -1 when some replica decided off Redis in it, -2 when the script
+-- did not read it: the caller holds it already). delta: what the
 -- charge changed this replica's field by (0 when denied).
 --
 -- Counter layout (fixed and sliding window): one hash per (counter, window),
@@ -353,7 +354,11 @@ local function plain(ch, base, e, never_deny, times)
     remaining = limit - after
   end
   -- Demand shares only from a window every replica decided on Redis.
-  if p_troubled or not (algo == 2 or not ch.demand_known) then p_own, p_total = -1, 0 end
+  if not (algo == 2 or not ch.demand_known) then
+    p_own, p_total = -2, 0
+  elseif p_troubled then
+    p_own, p_total = -1, 0
+  end
   local reset = (w + 1) * unit - now
   out[at], out[at + 1], out[at + 2], out[at + 3] = 6, status, remaining, reset
   out[at + 4], out[at + 5], out[at + 6] = p_own, p_total, delta
@@ -634,7 +639,9 @@ for _ = 1, tonumber(ARGV[7]) do
         cur.own = cur.own + delta
         -- Demand shares only from a window every replica decided on Redis:
         -- shares taken from incomplete totals could add up to more than 1.
-        if prev == nil or prev.troubled then
+        if prev == nil then
+          own = -2
+        elseif prev.troubled then
           own = -1
         else
           own = prev.own + prev.own_local
@@ -688,7 +695,7 @@ for _ = 1, tonumber(ARGV[7]) do
         local first = tonumber(oldest[2]) or now
         if count == 0 and after > 0 then first = now end
         reset = max(1, first + unit - now)
-        own = -1
+        own = -2
         total = after
       else
         -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);

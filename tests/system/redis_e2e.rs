@@ -955,6 +955,56 @@ async fn the_over_limit_cache_answers_locally_and_sees_refunds_within_its_bound(
     );
 }
 
+/// The script reads a fixed window's previous window only for demand
+/// shares, once per window and key: a key idle in the previous window
+/// (nothing to read there) is read there by the first call of the window
+/// only, not by every call after it (which cost sparse keys, the common
+/// case of per-user limits, one more Redis command per decision). Counted
+/// with Redis's own command statistics; calls one at a time, so each is
+/// its own script call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_idle_in_the_previous_window_is_read_there_once_per_window() {
+    let dir = test_dir("idle-prev");
+    let redis = RedisServer::start("redis", &dir);
+    let url = redis.url();
+    let r = rules(&dir, "domain: ip\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n");
+    let env = [("LEASEHOLD_REDIS_URL", url.as_str())];
+    let a = Leasehold::start("a", &r, &["--replica-id", "a"], &env, &dir);
+    wait_for_room(60_000, 20_000).await;
+    let c = client(&a).await;
+    let hgetalls = || -> u64 {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_hgetall:calls="))
+            .and_then(|l| l.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let call = || {
+        let req = single("ip", &[("k", "v")]);
+        let mut c = c.clone();
+        async move { c.should_rate_limit(req).await.expect("call").into_inner() }
+    };
+    let before = hgetalls();
+    assert_eq!(call().await.overall_code, Code::Ok as i32);
+    let first = hgetalls() - before;
+    assert_eq!(
+        first, 2,
+        "the first call reads this window and the previous one"
+    );
+    for _ in 0..10 {
+        assert_eq!(call().await.overall_code, Code::Ok as i32);
+    }
+    let later = hgetalls() - before - first;
+    assert_eq!(
+        later, 10,
+        "each later call reads its own window only, not the empty one before it"
+    );
+    let key = format!("lh:v2{{ip|k=v#60:fw}}@{}", now_ms() / 60_000);
+    assert_eq!(redis.window_total(&key), Some(11), "every call counted");
+}
+
 /// Coalesced requests stay all-or-nothing each: 16 callers at once, half
 /// sending `[a]` alone (always room), half `[a, b]` where `b` admits one
 /// per minute, so all but the first of those are denied and must charge

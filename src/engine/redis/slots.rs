@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 
 use super::RedisEngine;
-use crate::domain::backend::{CallError, Presume, RawItem, RawReply};
+use crate::domain::backend::{CallError, Presume, RawItem, RawReply, DEMAND_NOT_READ};
 use crate::domain::{Batch, Charge};
 use crate::limit::{request_denied, Algorithm};
 use crate::redis::keys;
@@ -162,7 +162,7 @@ impl RedisEngine {
                     over: false,
                     remaining: 0,
                     reset_ms: 0,
-                    own: -1,
+                    own: DEMAND_NOT_READ,
                     total: 0,
                     delta: 0,
                     at_ms: 0,

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::domain::backend::{RawItem, ReplayEntry};
+use crate::domain::backend::{RawItem, ReplayEntry, DEMAND_NOT_READ};
 use crate::key::CounterKey;
 use crate::limit::{Algorithm, LimitSpec};
 
@@ -88,9 +88,12 @@ struct Entry {
     windows: Vec<WindowTally>,
     /// (window, remaining) from the last Redis reply.
     last_remaining: Option<(u64, u64, u64)>,
-    /// This replica's part of the key's traffic in a complete window, and
-    /// that window (see [`Entry::demand_share`]).
-    demand: Option<(f64, u64)>,
+    /// What Redis said of a complete window, and that window: this
+    /// replica's part of the key's traffic in it, or `None` when it gave
+    /// none (empty, or some replica decided off Redis in it). Either way
+    /// the script need not read that window again (see
+    /// [`Entry::demand_share`]).
+    demand: Option<(Option<f64>, u64)>,
     /// The window of the latest decision reply for the key.
     reply_window: u64,
     /// A Redis call may have applied without this replica knowing.
@@ -130,7 +133,7 @@ impl Entry {
     fn demand_share(&self) -> Option<f64> {
         self.demand
             .filter(|(_, w)| w.saturating_add(1) == self.reply_window)
-            .map(|(d, _)| d)
+            .and_then(|(d, _)| d)
     }
 
     fn new(spec: LimitSpec, now_ms: u64) -> Self {
@@ -441,9 +444,17 @@ impl Ledger {
             }
             if window >= e.reply_window {
                 e.reply_window = window;
+                let read = window.saturating_sub(1);
                 if item.own >= 0 && item.total > 0 {
                     let d = (item.own.min(item.total) as f64) / (item.total as f64);
-                    e.demand = Some((d, window.saturating_sub(1)));
+                    e.demand = Some((Some(d), read));
+                } else if item.own != DEMAND_NOT_READ && e.demand.is_none_or(|(_, w)| w != read) {
+                    // Read, and no share in it: reading it again in this
+                    // window would find none either (a complete window only
+                    // gains the marks of decisions off Redis, or expires),
+                    // so later calls skip the read. Before, every call on a
+                    // key idle in the previous window read it again.
+                    e.demand = Some((None, read));
                 }
             }
         });

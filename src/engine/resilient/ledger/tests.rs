@@ -1,6 +1,6 @@
 //! Unit tests of the ledger.
 use super::*;
-use crate::domain::backend::ReplayKind;
+use crate::domain::backend::{ReplayKind, DEMAND_NOT_READ, DEMAND_TROUBLED};
 use crate::limit::Unit;
 use std::sync::atomic::Ordering;
 
@@ -277,6 +277,27 @@ fn the_previous_windows_demand_is_known_once_a_reply_in_the_window_brought_it() 
     assert_eq!(l.lease_inputs(&k, &s, 5_300).0, Some(0.25));
     // Window 6 needs window 5's, which no reply has brought yet.
     assert!(!l.call_inputs(&k, 6).demand_known);
+    // A reply in window 6 that did not read window 5 says nothing of it.
+    l.record_redis(&k, &s, 6_100, 1_000, &item(1, 88, DEMAND_NOT_READ, 0));
+    assert!(!l.call_inputs(&k, 6).demand_known);
+    assert_eq!(
+        l.lease_inputs(&k, &s, 6_200).0,
+        None,
+        "no share for window 6"
+    );
+    // One that read it empty (the key was idle): known, with no share, so
+    // the calls after it in window 6 skip the read.
+    l.record_redis(&k, &s, 6_300, 1_000, &item(1, 87, 0, 0));
+    assert!(l.call_inputs(&k, 6).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 6_400).0, None);
+    // Read with some replica off Redis in it: the same.
+    l.record_redis(&k, &s, 7_100, 1_000, &item(1, 99, DEMAND_TROUBLED, 0));
+    assert!(l.call_inputs(&k, 7).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 7_200).0, None);
+    // A share once read is not undone by a later reply without one.
+    l.record_redis(&k, &s, 8_100, 1_000, &item(1, 90, 10, 40));
+    l.record_redis(&k, &s, 8_200, 1_000, &item(1, 89, DEMAND_TROUBLED, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 8_300).0, Some(0.25));
 }
 
 #[test]
