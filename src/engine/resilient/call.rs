@@ -205,13 +205,22 @@ impl ResilientEngine {
 
     pub(super) async fn decide_on_backend(&self, batch: &Batch, now: u64) -> Decided {
         let redis_now = self.redis_now(now);
-        let mut marks: Vec<(u64, bool)> = Vec::with_capacity(batch.charges.len());
+        let n = batch.charges.len();
+        let mut marks: Vec<(u64, bool)> = Vec::with_capacity(n);
+        let mut pending = Vec::with_capacity(n);
+        let mut expected: Vec<(i64, u64)> = Vec::with_capacity(n);
         for c in &batch.charges {
-            match self.ledger.note_issue(&c.key, &c.spec, now, c.refund) {
-                Some(mark) => marks.push(mark),
+            let w = window_of(&c.spec, redis_now);
+            match self.ledger.note_issue(&c.key, &c.spec, now, c.refund, w) {
+                Some((mark, i)) => {
+                    marks.push(mark);
+                    pending.push((i.pending, i.settled, i.demand_known));
+                    expected.push((i.expected, w));
+                }
                 None => {
-                    // Turned suspect since routing (its repair may be on
-                    // its way): decided on the lease, as a suspect key is.
+                    // Suspect (its repair may be on its way): decided on
+                    // the lease. Routing does not look, so this is where a
+                    // suspect key leaves the Redis path.
                     for c in &batch.charges[..marks.len()] {
                         self.ledger.note_answered(&c.key, c.refund);
                     }
@@ -219,17 +228,6 @@ impl ResilientEngine {
                 }
             }
         }
-        let mut pending = Vec::with_capacity(batch.charges.len());
-        let expected: Vec<(i64, u64)> = batch
-            .charges
-            .iter()
-            .map(|c| {
-                let w = window_of(&c.spec, redis_now);
-                let i = self.ledger.call_inputs(&c.key, w);
-                pending.push((i.pending, i.settled, i.demand_known));
-                (i.expected, w)
-            })
-            .collect();
         let presume = self.presume(batch, redis_now, &pending);
         let alive = self.redis_alive(now);
         self.note_sent(now);

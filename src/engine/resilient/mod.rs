@@ -247,10 +247,13 @@ impl ResilientEngine {
         (local_ms as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
     }
 
-    /// The one place that says whether a request may use the backend.
-    fn route(&self, batch: &Batch) -> Route {
-        let healthy = self.breaker.lock().allows_redis();
-        if healthy && !batch.charges.iter().any(|c| self.ledger.is_suspect(&c.key)) {
+    /// The one place that says whether a request may use the backend. A
+    /// suspect key is turned to the lease by the ledger itself, under the
+    /// lock that counts the call ([`Ledger::note_issue`]): looking here as
+    /// well cost a second lookup per charge and proved nothing, since the
+    /// key can turn suspect in between.
+    fn route(&self) -> Route {
+        if self.breaker.lock().allows_redis() {
             Route::Backend
         } else {
             Route::Lease
@@ -354,7 +357,7 @@ impl Engine for ResilientEngine {
             self.stats.cached_denials.fetch_add(1, Ordering::Relaxed);
             return Ok(outcome);
         }
-        if self.route(batch) == Route::Backend {
+        if self.route() == Route::Backend {
             match self.decide_on_backend(batch, now).await {
                 call::Decided::Answered(outcome) => return Ok(outcome),
                 call::Decided::Unanswered => return Ok(call::unanswered(batch)),

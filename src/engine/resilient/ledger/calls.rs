@@ -53,19 +53,7 @@ impl Ledger {
                 demand_known: false,
             };
         };
-        let w = e.windows.iter().find(|w| w.window == window);
-        let expected = w
-            .filter(|_| e.refunds_in_flight == 0)
-            .map_or(-1, |w| w.redis_own);
-        let pending = w.map_or(0, |w| w.local_own.saturating_sub(w.local_replayed));
-        CallInputs {
-            expected,
-            pending,
-            settled: !e.suspect && pending == 0 && !w.is_some_and(|w| w.unsure),
-            demand_known: e
-                .demand
-                .is_some_and(|(_, dw)| dw.saturating_add(1) == window),
-        }
+        inputs(e, window)
     }
 
     /// Suspect keys are decided locally until repaired.
@@ -73,24 +61,28 @@ impl Ledger {
         self.shard(key).lock().get(key).is_some_and(|e| e.suspect)
     }
 
-    /// A Redis-path call for the key is about to be sent.
+    /// A Redis-path call for the key, in `window`, is about to be sent.
     /// Returns the key's refund mark as it stood before this call (see
-    /// [`Self::refund_mark`]), read under the same lock; `None`, noting
-    /// nothing, when the key is suspect. The caller's earlier look at the
-    /// key (routing) is not enough: between it and this, the key can turn
-    /// suspect and its repair be planned (no call in flight), and a call
-    /// sent then could run before the repair, which would overwrite its
-    /// count while this replica keeps it as confirmed (seen: one grant
-    /// missing from Redis after a reshard under load). Checked and counted
-    /// under one lock, a key in flight is never repaired and a key being
-    /// repaired is never called.
+    /// [`Self::refund_mark`]) and what the call carries from the ledger
+    /// ([`Self::call_inputs`]), both read under the same lock; `None`,
+    /// noting nothing, when the key is suspect (it is decided on the lease
+    /// instead). The caller's earlier look at the key (routing) is not
+    /// enough: between it and this, the key can turn suspect and its repair
+    /// be planned (no call in flight), and a call sent then could run
+    /// before the repair, which would overwrite its count while this
+    /// replica keeps it as confirmed (seen: one grant missing from Redis
+    /// after a reshard under load). Checked and counted under one lock, a
+    /// key in flight is never repaired and a key being repaired is never
+    /// called. (One lock and one lookup for all of it: per charge, on every
+    /// Redis-path decision.)
     pub fn note_issue(
         &self,
         key: &CounterKey,
         spec: &LimitSpec,
         now_ms: u64,
         refund: bool,
-    ) -> Option<(u64, bool)> {
+        window: u64,
+    ) -> Option<((u64, bool), CallInputs)> {
         let noted = self.with_entry(key, spec, now_ms, |e| {
             if e.suspect {
                 return None;
@@ -100,11 +92,23 @@ impl Ledger {
             e.refunds_in_flight += u32::from(refund);
             e.refunds_sent += u64::from(refund);
             e.calls_in_flight += 1;
-            Some(mark)
+            // After counting this call's refund: a refund's own call
+            // carries no expected count (it lowers the field first).
+            Some((mark, inputs(e, window)))
         });
         noted.unwrap_or_else(|| {
+            // Not tracked (the ledger is full of entries it may not
+            // evict): nothing known of the key.
             self.untracked.fetch_add(1, Ordering::Relaxed);
-            Some((0, false))
+            Some((
+                (0, false),
+                CallInputs {
+                    expected: -1,
+                    pending: 0,
+                    settled: true,
+                    demand_known: false,
+                },
+            ))
         })
     }
 
@@ -130,5 +134,22 @@ impl Ledger {
                 e.refunds_in_flight = e.refunds_in_flight.saturating_sub(1);
             }
         }
+    }
+}
+
+/// What a call in `window` carries from the key's entry.
+fn inputs(e: &super::Entry, window: u64) -> CallInputs {
+    let w = e.windows.iter().find(|w| w.window == window);
+    let expected = w
+        .filter(|_| e.refunds_in_flight == 0)
+        .map_or(-1, |w| w.redis_own);
+    let pending = w.map_or(0, |w| w.local_own.saturating_sub(w.local_replayed));
+    CallInputs {
+        expected,
+        pending,
+        settled: !e.suspect && pending == 0 && !w.is_some_and(|w| w.unsure),
+        demand_known: e
+            .demand
+            .is_some_and(|(_, dw)| dw.saturating_add(1) == window),
     }
 }

@@ -351,41 +351,44 @@ impl Ledger {
             );
         }
         let mut map = self.shard(key).lock();
-        if !map.contains_key(key) {
-            let cost = entry_cost(key);
-            let full = || {
-                self.len.load(Ordering::Relaxed) >= self.max_keys
-                    || self.bytes.load(Ordering::Relaxed).saturating_add(cost) > self.max_bytes
-            };
-            // A victim may be smaller than the newcomer: evict until it fits.
-            while full() {
-                let victim = map
-                    .iter()
-                    .take(EVICTION_SAMPLE)
-                    .filter(|(_, e)| !e.needs_replay() && e.calls_in_flight == 0)
-                    .min_by_key(|(_, e)| e.touched_ms)
-                    .map(|(k, _)| k.clone());
-                match victim {
-                    Some(k) => {
-                        map.remove(&k);
-                        self.len.fetch_sub(1, Ordering::Relaxed);
-                        self.bytes.fetch_sub(entry_cost(&k), Ordering::Relaxed);
-                        self.evicted.fetch_add(1, Ordering::Relaxed);
-                        self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
-                    }
-                    None => {
-                        self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
-                        return None;
-                    }
+        // One lookup for a key already tracked (every call after its first).
+        if let Some(entry) = map.get_mut(key) {
+            entry.touched_ms = now_ms;
+            entry.spec = *spec;
+            return Some(f(entry));
+        }
+        let cost = entry_cost(key);
+        let full = || {
+            self.len.load(Ordering::Relaxed) >= self.max_keys
+                || self.bytes.load(Ordering::Relaxed).saturating_add(cost) > self.max_bytes
+        };
+        // A victim may be smaller than the newcomer: evict until it fits.
+        while full() {
+            let victim = map
+                .iter()
+                .take(EVICTION_SAMPLE)
+                .filter(|(_, e)| !e.needs_replay() && e.calls_in_flight == 0)
+                .min_by_key(|(_, e)| e.touched_ms)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => {
+                    map.remove(&k);
+                    self.len.fetch_sub(1, Ordering::Relaxed);
+                    self.bytes.fetch_sub(entry_cost(&k), Ordering::Relaxed);
+                    self.evicted.fetch_add(1, Ordering::Relaxed);
+                    self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
+                }
+                None => {
+                    self.last_lost_ms.fetch_max(now_ms, Ordering::Relaxed);
+                    return None;
                 }
             }
-            map.insert(key.clone(), Entry::new(*spec, now_ms));
-            self.len.fetch_add(1, Ordering::Relaxed);
-            self.bytes.fetch_add(cost, Ordering::Relaxed);
         }
-        let entry = map.get_mut(key)?;
-        entry.touched_ms = now_ms;
-        entry.spec = *spec;
+        self.len.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(cost, Ordering::Relaxed);
+        let entry = map
+            .entry(key.clone())
+            .or_insert_with(|| Entry::new(*spec, now_ms));
         Some(f(entry))
     }
 

@@ -25,7 +25,7 @@ fn key(v: &str) -> (CounterKey, LimitSpec) {
 fn local_usage_replays_by_value_and_only_once() {
     let l = Ledger::new(10);
     let (k, s) = key("a");
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.record_redis(&k, &s, 5_100, 1_000, &item(3, 97, 3, 12));
     assert_eq!(l.expected(&k, 5), 3);
     // 3 used in the first 100 ms: 400 ms later about 12 more are gone.
@@ -58,10 +58,10 @@ fn local_usage_replays_by_value_and_only_once() {
 fn suspect_keys_wait_for_quiet_then_repair_the_confirmed_count() {
     let l = Ledger::new(10);
     let (k, s) = key("b");
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.record_redis(&k, &s, 7_000, 1_000, &item(4, 96, 4, 4));
     l.note_answered(&k, false);
-    l.note_issue(&k, &s, 2_000, false);
+    l.note_issue(&k, &s, 2_000, false, 5);
     l.mark_suspect(&k, &s, 2_005, 7_000);
     assert!(l.is_suspect(&k));
     // The failed call still counts as in flight until it is answered (a
@@ -96,10 +96,10 @@ fn a_repair_fences_every_window_a_suspect_call_can_have_landed_in() {
     // Confirmed in window 7 only; then a call sent at Redis time 7_990
     // fails unanswered: it can have run in window 7 or, late, in window 8,
     // where this replica has no confirmed call at all.
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.record_redis(&k, &s, 7_500, 1_000, &item(4, 96, 4, 4));
     l.note_answered(&k, false);
-    l.note_issue(&k, &s, 1_990, false);
+    l.note_issue(&k, &s, 1_990, false, 5);
     l.mark_suspect(&k, &s, 2_000, 7_990);
     l.note_answered(&k, false);
     let (plan, waiting) = l.replay_plan(2_200, 8_200, 100, 1_000);
@@ -115,7 +115,7 @@ fn a_repair_fences_every_window_a_suspect_call_can_have_landed_in() {
     assert!(!l.is_suspect(&k));
     // Suspect again later, by a call sent in window 8: it can have landed
     // there or in 9; window 7 is past its life.
-    l.note_issue(&k, &s, 2_900, false);
+    l.note_issue(&k, &s, 2_900, false, 5);
     l.mark_suspect(&k, &s, 2_905, 8_900);
     l.note_answered(&k, false);
     let (plan, _) = l.replay_plan(3_100, 9_100, 100, 1_000);
@@ -128,7 +128,7 @@ fn a_key_with_a_call_in_flight_or_unsure_is_not_swept_before_its_repair() {
     let l = Ledger::new(10);
     let (k, s) = key("untallied");
     // No count of its own anywhere: the call's request was denied unanswered.
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.sweep(6_000, 1_000);
     assert!(!l.is_empty(), "a call is in flight");
     l.mark_suspect(&k, &s, 1_500, 5_990);
@@ -198,15 +198,16 @@ fn the_cap_keeps_or_counts_every_hit() {
 fn no_data_loss_check_while_a_refund_is_in_flight() {
     let l = Ledger::new(10);
     let (k, s) = key("r");
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.record_redis(&k, &s, 5_100, 1_000, &item(5, 95, 5, 5));
     l.note_answered(&k, false);
     assert_eq!(l.expected(&k, 5), 5);
     // A refund is sent: until its reply is recorded, Redis's field may
     // already be below the confirmed 5.
-    l.note_issue(&k, &s, 1_010, true);
+    let (_, sent) = l.note_issue(&k, &s, 1_010, true, 5).expect("tracked");
+    assert_eq!(sent.expected, -1, "the refund's own call carries none");
     assert_eq!(l.expected(&k, 5), -1);
-    l.note_issue(&k, &s, 1_011, true);
+    l.note_issue(&k, &s, 1_011, true, 5);
     l.record_redis(&k, &s, 5_120, 1_020, &item(-1, 96, 4, 4));
     l.note_answered(&k, true);
     assert_eq!(l.expected(&k, 5), -1, "one refund is still in flight");
@@ -340,23 +341,26 @@ fn the_byte_cap_evicts_clean_entries_and_never_unreplayed_usage() {
 fn a_key_being_repaired_is_never_issued_and_a_key_in_flight_never_repaired() {
     let l = Ledger::new(10);
     let (k, s) = key("race");
-    assert_eq!(l.note_issue(&k, &s, 1_000, false), Some((0, false)));
+    assert_eq!(
+        l.note_issue(&k, &s, 1_000, false, 5).map(|(mark, _)| mark),
+        Some((0, false))
+    );
     l.record_redis(&k, &s, 5_100, 1_000, &item(1, 99, 1, 1));
     l.note_answered(&k, false);
     // Another call fails unanswered: suspect, and quiet at 1_200.
-    assert!(l.note_issue(&k, &s, 1_010, false).is_some());
+    assert!(l.note_issue(&k, &s, 1_010, false, 5).is_some());
     l.mark_suspect(&k, &s, 1_020, 5_000);
     l.note_answered(&k, false);
     let (plan, waiting) = l.replay_plan(1_200, 5_300, 100, 1_000);
     assert_eq!((plan.len(), waiting), (1, 0));
     assert!(plan[0].repairs);
     // A request routed before the key turned suspect comes to send now.
-    assert_eq!(l.note_issue(&k, &s, 1_210, false), None, "not sent");
+    assert_eq!(l.note_issue(&k, &s, 1_210, false, 5), None, "not sent");
     let (again, _) = l.replay_plan(1_220, 5_320, 100, 1_000);
     assert!(again[0].repairs, "and nothing counted in flight");
     l.mark_replayed(&plan);
     assert!(
-        l.note_issue(&k, &s, 1_230, false).is_some(),
+        l.note_issue(&k, &s, 1_230, false, 5).is_some(),
         "repaired: sent"
     );
     // In flight, the key turns suspect: no repair until the call is over.
@@ -409,7 +413,7 @@ fn every_change_that_needs_replay_marks_the_ledger_for_a_scan() {
     );
     assert!(!l.take_dirty(), "taken");
     // Redis-path traffic alone needs no replay: the healthy rounds skip.
-    l.note_issue(&k, &s, 1_000, false);
+    l.note_issue(&k, &s, 1_000, false, 5);
     l.record_redis(&k, &s, 5_100, 1_000, &item(1, 99, 1, 1));
     assert!(!l.take_dirty());
     l.record_local(&k, &s, 5, 1_100, 2);
