@@ -197,17 +197,18 @@ PY
   curl -s "127.0.0.1:$ADMIN_red/status" | python3 -c 'import json,sys; d=json.load(sys.stdin)["engine"]["decisions"]; print("decisions by path:", d)'
   SHA=$(redis-cli -p "$REDIS_PORT" script load "$(cat src/redis/decide.lua)")
   # ARGV as src/redis/scripts.rs packs them: index, epoch, margin, episode,
-  # peers, silent, the number of requests, then per request its shape, call
-  # id and two per charge, then the call's token.
+  # peers, silent, the number of requests, then per request its shape, its
+  # call id when the shape's flags say so (bit 1; a sliding-log charge
+  # needs one) and two per charge, then the call's token.
   echo "redis-benchmark EVALSHA (same script, one request per call, one hot key, 64 clients, pipeline 1):"
-  redis-benchmark -p "$REDIS_PORT" -c 64 -n 400000 -q EVALSHA "$SHA" 1 'lh:v2{bench|key=rb#1:fw}' 9 1 10000 '' '' '' 1 1,1,0 rb 1,1000000000,1000,1000000000,1,0,0,0,0 -1 1 | tr '\r' '\n' | tail -1
+  redis-benchmark -p "$REDIS_PORT" -c 64 -n 400000 -q EVALSHA "$SHA" 1 'lh:v2{bench|key=rb#1:fw}' 9 1 10000 '' '' '' 1 1,1,0 1,1000000000,1000,1000000000,1,0,0,0,0 -1 1 | tr '\r' '\n' | tail -1
   echo "Redis bytes per active key, four replicas writing (MEMORY USAGE):"
   for algo in "1 fw" "2 sw" "3 sl" "4 tb"; do
     set -- $algo
     key="lh:v2{mem|key=k#60:$2}"
     for idx in 1 2 3 4; do
       for i in $(seq 1 25); do
-        redis-cli -p "$REDIS_PORT" evalsha "$SHA" 1 "$key" "$idx" 0 10000 '' '' '' 1 1,1,0 "m$idx.$i" "$1,100,60000,100,1,0,0,0,0" -1 1 >/dev/null
+        redis-cli -p "$REDIS_PORT" evalsha "$SHA" 1 "$key" "$idx" 0 10000 '' '' '' 1 1,1,2 "m$idx.$i" "$1,100,60000,100,1,0,0,0,0" -1 1 >/dev/null
       done
     done
     for k in $(redis-cli -p "$REDIS_PORT" --scan --pattern "lh:v2{mem|key=k#60:$2}*"); do

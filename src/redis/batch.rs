@@ -409,9 +409,11 @@ fn pack(calls: Vec<DecideArgs>) -> (Vec<String>, Vec<Value>) {
     (keys, args)
 }
 
-/// Whether `call` is the request whose keys and body are `keys` and
-/// `body`, bar its call id (the body's second item) and its expected
-/// counts (every other item from the fourth on).
+/// Whether `call`, a request without a call id (repeatable), is the
+/// request whose keys and body are `keys` and `body`, bar its expected
+/// counts (every other item from the third on). Its shape says it has no
+/// call id, so an equal one has none either; the charges are every other
+/// item from the second on.
 fn same_request(keys: &[String], body: &[Value], call: &DecideArgs) -> bool {
     keys == call.keys.as_slice()
         && body.len() == call.body.len()
@@ -420,7 +422,7 @@ fn same_request(keys: &[String], body: &[Value], call: &DecideArgs) -> bool {
             .body
             .iter()
             .zip(body)
-            .skip(2)
+            .skip(1)
             .step_by(2)
             .all(|(a, b)| a == b)
 }
@@ -435,7 +437,7 @@ fn same_request(keys: &[String], body: &[Value], call: &DecideArgs) -> bool {
 /// reported: it may miss a loss smaller than the members' spread (the
 /// next call sees it), never report one that did not happen.
 fn keep_lowest_expected(group: &mut [Value], member: &[Value]) {
-    for (g, m) in group.iter_mut().zip(member).skip(3).step_by(2) {
+    for (g, m) in group.iter_mut().zip(member).skip(2).step_by(2) {
         if let (Value::Integer(a), Value::Integer(b)) = (&*g, m) {
             if b < a {
                 *g = Value::Integer(*b);
@@ -689,12 +691,17 @@ mod tests {
                 Value::from(""),
                 Value::from(""),
             ],
-            body: vec![
-                Value::from("1,1,0"),
-                Value::from(id),
-                Value::from(charge),
-                Value::Integer(5),
-            ],
+            // A call id only with a sliding-log charge (not repeatable).
+            body: if repeatable {
+                vec![Value::from("1,1,0"), Value::from(charge), Value::Integer(5)]
+            } else {
+                vec![
+                    Value::from("1,1,2"),
+                    Value::from(id),
+                    Value::from(charge),
+                    Value::Integer(5),
+                ]
+            },
             repeatable,
         }
     }
@@ -729,22 +736,21 @@ mod tests {
         ];
         let (keys, args) = pack(calls);
         assert_eq!(keys, ["a", "b", "a", "a", "a", "a"]);
-        let entry = |shape: &str, id: &str, charge: &str| {
-            [shape, id, charge, "5"].map(str::to_owned).to_vec()
-        };
+        let entry = |shape: &str, charge: &str| [shape, charge, "5"].map(str::to_owned).to_vec();
+        let logged = |id: &str| ["1,1,2", id, log, "5"].map(str::to_owned).to_vec();
         let mut want: Vec<String> = ["1", "7", "0", "", "", "", "6"].map(str::to_owned).to_vec();
-        want.extend(entry("1,1,0,3", "c1", fixed));
-        want.extend(entry("1,1,0", "c4", fixed));
-        want.extend(entry("1,1,0", "c5", fixed));
-        want.extend(entry("1,1,0", "c6", "1,10,1000,10,2,0,0,0,0"));
-        want.extend(entry("1,1,0", "c7", log));
-        want.extend(entry("1,1,0", "c8", log));
+        want.extend(entry("1,1,0,3", fixed));
+        want.extend(entry("1,1,0", fixed));
+        want.extend(entry("1,1,0", fixed));
+        want.extend(entry("1,1,0", "1,10,1000,10,2,0,0,0,0"));
+        want.extend(logged("c7"));
+        want.extend(logged("c8"));
         assert_eq!(texts(&args), want);
         // Another expected count is the same request: the group carries
         // the lowest (a floor for each member), -1 (unknown) included.
         let expecting = |id: &str, n: i64| {
             let mut r = request("a", id, fixed, true);
-            r.body[3] = Value::Integer(n);
+            r.body[2] = Value::Integer(n);
             r
         };
         let (_, args) = pack(vec![
@@ -752,9 +758,9 @@ mod tests {
             expecting("c2", 4),
             expecting("c3", 9),
         ]);
-        assert_eq!(texts(&args)[6..], ["1", "1,1,0,3", "c1", fixed, "4"]);
+        assert_eq!(texts(&args)[6..], ["1", "1,1,0,3", fixed, "4"]);
         let (_, args) = pack(vec![expecting("c1", 6), expecting("c2", -1)]);
-        assert_eq!(texts(&args)[10], "-1");
+        assert_eq!(texts(&args)[9], "-1");
     }
 
     #[test]

@@ -13,8 +13,9 @@
 --   [6] silent members: comma-separated field indices ("" none)
 --   [7] the number of requests
 -- then per request:
---   its shape "<keys>,<charges>,<never_deny>[,<times>]": how many KEYS it
---       has, how many charges, "1" in global shadow mode, and how many
+--   its shape "<keys>,<charges>,<flags>[,<times>]": how many KEYS it
+--       has, how many charges, flags (bit 0: global shadow mode; bit 1: a
+--       call id follows), and how many
 --       requests it stands for (1 when absent): a group of requests
 --       equal bar their call ids and expected counts (it carries the
 --       lowest, a floor for each), whose members are decided one after
@@ -22,8 +23,9 @@
 --       own reply (never with a
 --       sliding-log charge, whose members take their ids from the call
 --       id)
---   its call id, unique per replica incarnation (sliding-log member ids;
---       "" when the request has no sliding-log charge)
+--   its call id, unique per replica incarnation, only when it has a
+--       sliding-log charge (its member ids); one argument fewer per
+--       request for all others
 --   per charge i, two arguments:
 --     "<algorithm>,<limit>,<unit_ms>,<burst>,<hits>,<flags>,<expected_w>,
 --     <fraction>,<pending>": algorithm 1 fixed window, 2 sliding window,
@@ -158,9 +160,12 @@ local silent = indices(ARGV[6])
 -- each (an iterator over the fields cost three times as much).
 local shapes, charges = {}, {}
 local function shape_of(s)
-  local k, c, nd, times = match(s, '^(%d+),(%d+),(%d+),?(%d*)$')
-  local shape = {keys = tonumber(k), charges = tonumber(c), never_deny = nd == '1',
-                 times = tonumber(times) or 1}
+  local k, c, f, times = match(s, '^(%d+),(%d+),(%d+),?(%d*)$')
+  local flags = tonumber(f)
+  local has_id = flags >= 2
+  -- first: where its first charge is, after the shape and any call id.
+  local shape = {keys = tonumber(k), charges = tonumber(c), never_deny = flags % 2 == 1,
+                 times = tonumber(times) or 1, has_id = has_id, first = has_id and 2 or 1}
   shapes[s] = shape
   return shape
 end
@@ -421,10 +426,10 @@ for _ = 1, tonumber(ARGV[7]) do
   local times = shape.times
   local member = 0
   if shape.charges == 1 then
-    local s = ARGV[ao + 2]
+    local s = ARGV[ao + shape.first]
     local ch = charges[s] or charge_of(s)
     if ch.window_only then
-      member = plain(ch, KEYS[ko + 1], ARGV[ao + 3], shape.never_deny, times)
+      member = plain(ch, KEYS[ko + 1], ARGV[ao + shape.first + 1], shape.never_deny, times)
     end
   end
   while member < times do
@@ -555,13 +560,14 @@ for _ = 1, tonumber(ARGV[7]) do
     nout = at
     serial = serial + 1
     ntouched, nmeta, nwr = 0, 0, 0
-    local call_id = ARGV[ao + 1]
+    local call_id = ''
+    if shape.has_id then call_id = ARGV[ao + 1] end
     local n = shape.charges
     local stale = false
     local lost = false
 
     for i = 1, n do
-      local o = ao + 2 * i
+      local o = ao + shape.first + 2 * (i - 1)
       local s = ARGV[o]
       local ch = charges[s] or charge_of(s)
       local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
@@ -857,7 +863,7 @@ for _ = 1, tonumber(ARGV[7]) do
     end
     out[at] = nout - at
     if member == 1 and times > 1 then
-      local ch = shape.charges == 1 and charges[ARGV[ao + 2]]
+      local ch = shape.charges == 1 and charges[ARGV[ao + shape.first]]
       local status = out[at + 1]
       if ch and ch.window_only and (status == 0 or status == 1) then
         -- The members of a group after its first, which was just
@@ -892,7 +898,7 @@ for _ = 1, tonumber(ARGV[7]) do
     end
   end
   ko = ko + shape.keys
-  ao = ao + 2 + 2 * shape.charges
+  ao = ao + shape.first + 2 * shape.charges
 end
 
 for k = 1, norder do

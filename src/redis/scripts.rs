@@ -127,8 +127,11 @@ pub struct DecideArgs {
     /// peers and silent members (comma-separated indices). Only requests
     /// with equal headers are batched together.
     pub header: [Value; 6],
-    /// The request itself: its shape (`<keys>,<charges>,<never_deny>`),
-    /// its call id, then two per charge: `<algorithm>,<limit>,<unit_ms>,
+    /// The request itself: its shape (`<keys>,<charges>,<flags>`, flags
+    /// bit 0 never deny, bit 1 a call id follows), its call id only when
+    /// it has a sliding-log charge (one argument less for every other
+    /// request: each costs Redis an object and a Lua string), then two per
+    /// charge: `<algorithm>,<limit>,<unit_ms>,
     /// <burst>,<hits>,<flags>,<expected window>,<fraction>,<pending>` and
     /// the expected count. hits are clamped to [`MAX_HITS`]; flags: bit 0
     /// refund, bits 1-2 role, bit 3 demand of the previous window known,
@@ -137,8 +140,8 @@ pub struct DecideArgs {
     /// parses each distinct one once per call; the expected count changes
     /// with every request and goes on its own, as an integer.
     pub body: Vec<Value>,
-    /// No sliding-log charge: requests equal to this one in keys and body
-    /// (bar the call id) may go as one group (see the shape in
+    /// No sliding-log charge (and so no call id): requests equal to this
+    /// one in keys and body (bar the expected counts) may go as one group (see the shape in
     /// decide.lua). A sliding-log charge takes its members' ids from the
     /// call id, so identical requests must keep theirs.
     pub repeatable: bool,
@@ -177,6 +180,12 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
         index_list(&p.peers),
         index_list(&p.silent),
     ];
+    // Only a sliding-log charge needs the call id (its members' ids), and
+    // only then may equal requests not go as one group.
+    let repeatable = batch
+        .charges
+        .iter()
+        .all(|c| c.spec.algorithm != Algorithm::SlidingLog);
     let mut body = Vec::with_capacity(2 + 2 * batch.charges.len());
     // Numbers written with itoa: `format!` and `write!` here were about 2%
     // of a replica's CPU on the Redis path (measured with perf).
@@ -186,9 +195,16 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
     shape.push(',');
     shape.push_str(ints.format(batch.charges.len()));
     shape.push(',');
-    shape.push(if batch.never_deny { '1' } else { '0' });
+    shape.push(match (batch.never_deny, repeatable) {
+        (false, true) => '0',
+        (true, true) => '1',
+        (false, false) => '2',
+        (true, false) => '3',
+    });
     body.push(Value::from(shape));
-    body.push(Value::from(call.call_id));
+    if !repeatable {
+        body.push(Value::from(call.call_id));
+    }
     for (i, c) in batch.charges.iter().enumerate() {
         let pc = p.charges.get(i).copied().unwrap_or_default();
         let flags = u8::from(c.refund)
@@ -223,10 +239,6 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
         body.push(Value::from(charge));
         body.push(Value::Integer(count));
     }
-    let repeatable = batch
-        .charges
-        .iter()
-        .all(|c| c.spec.algorithm != Algorithm::SlidingLog);
     DecideArgs {
         keys,
         header,
@@ -426,14 +438,37 @@ mod tests {
             body,
             [
                 "2,2,1".to_owned(),
-                "b.9".to_owned(),
                 "1,100,1000,100,3,40,17,0.250000,12".to_owned(),
                 "4".to_owned(),
                 format!("4,7,60000,9,{max},5,0,0,0"),
                 "-1".to_owned(),
-            ]
+            ],
+            "no call id without a sliding-log charge"
         );
         assert_eq!(args.keys.len(), 2);
+        assert!(args.repeatable);
+        // A sliding-log charge takes its members' ids from the call id:
+        // the shape says one follows.
+        let log = Batch {
+            charges: vec![charge(
+                1,
+                false,
+                Role::Enforce,
+                LimitSpec {
+                    algorithm: Algorithm::SlidingLog,
+                    ..LimitSpec::fixed(10, Unit::Second)
+                },
+            )],
+            never_deny: false,
+        };
+        let call = DecideCall {
+            expected: &[(-1, 0)],
+            ..call
+        };
+        let args = decide_args("p:", &log, &call);
+        let body: Vec<String> = args.body.iter().map(text).collect();
+        assert_eq!(body[..2], ["1,1,2".to_owned(), "b.9".to_owned()]);
+        assert!(!args.repeatable);
     }
 
     #[test]

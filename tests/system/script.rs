@@ -5,6 +5,8 @@
 //! the short way) answers exactly as the general path does; each leaves
 //! the same counts behind. Both forms go in one script call, on two copies
 //! of the same keys, so they see the same Redis time and the same state.
+//! One form's requests carry a call id and the other's do not (a
+//! request's shape says which), so both layouts are read alike.
 
 use crate::common::{test_dir, RedisServer};
 use leasehold::redis::scripts::DECIDE_LUA;
@@ -158,12 +160,17 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
                 }
             }
         }
-        let body = |id: &str, group: usize| {
-            let mut shape = format!("{},{},{never_deny}", charges.len(), charges.len());
+        // The shape's flags: bit 0 never deny, bit 1 a call id follows
+        // (the requests alone carry one, the group none: both forms
+        // must answer alike).
+        let body = |id: Option<&str>, group: usize| {
+            let flags = never_deny + 2 * u64::from(id.is_some());
+            let mut shape = format!("{},{},{flags}", charges.len(), charges.len());
             if group > 1 {
                 shape = format!("{shape},{group}");
             }
-            let mut out = vec![shape, id.to_owned()];
+            let mut out = vec![shape];
+            out.extend(id.map(str::to_owned));
             for c in &charges {
                 out.push(format!(
                     "{},{},{HOUR_MS},{},{},{},{w},{},{}",
@@ -181,10 +188,10 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
             args.extend(["", "", ""].map(str::to_owned));
         }
         args.push((1 + times).to_string());
-        args.extend(body("g", times));
+        args.extend(body(None, times));
         for n in 0..times {
             keys.extend((0..charges.len()).map(|i| base("s", i)));
-            args.extend(body(&format!("s{n}"), 1));
+            args.extend(body(Some(&format!("s{n}")), 1));
         }
         args.push("77".to_owned());
         let out = evalsha(&redis, &sha, &keys, &args);
@@ -326,12 +333,18 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         args.push((2 * requests.len()).to_string());
         for copy in ["p", "q"] {
             for (n, request) in requests.iter().enumerate() {
-                let mut shape = format!("{},{},{never_deny}", request.len(), request.len());
+                // Copy q's requests carry a call id (shape flag bit 1),
+                // p's none: both must answer alike.
+                let id = copy == "q";
+                let flags = never_deny + 2 * u64::from(id);
+                let mut shape = format!("{},{},{flags}", request.len(), request.len());
                 if times[n] > 1 {
                     shape = format!("{shape},{}", times[n]);
                 }
                 args.push(shape);
-                args.push(format!("{copy}{n}"));
+                if id {
+                    args.push(format!("{copy}{n}"));
+                }
                 for (name, c) in request {
                     keys.push(base(copy, name));
                     args.push(format!(
