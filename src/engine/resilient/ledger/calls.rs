@@ -22,9 +22,24 @@ pub struct CallInputs {
     pub demand_known: bool,
 }
 
+impl CallInputs {
+    /// For a key the ledger does not track: nothing to check, nothing
+    /// pending, demand unknown.
+    const UNKNOWN: CallInputs = CallInputs {
+        expected: -1,
+        pending: 0,
+        settled: true,
+        demand_known: false,
+    };
+}
+
 impl Ledger {
+    // Views for the ledger's tests, read one lookup each: the decision path
+    // reads all of them under the lock that counts a call (`note_issue`).
+
     /// This replica's confirmed count for the data-loss check, or -1 (no
     /// check) when unknown or while a refund for the key is in flight.
+    #[cfg(test)]
     pub fn expected(&self, key: &CounterKey, window: u64) -> i64 {
         self.expected_and_pending(key, window).0
     }
@@ -35,6 +50,7 @@ impl Ledger {
     /// what it already granted on its lease. Only with none pending (and
     /// the key not suspect) may it prove itself there (`decide.lua`,
     /// "presumed holds").
+    #[cfg(test)]
     pub fn expected_and_pending(&self, key: &CounterKey, window: u64) -> (i64, i64, bool) {
         let i = self.call_inputs(key, window);
         (i.expected, i.pending, i.settled)
@@ -43,20 +59,17 @@ impl Ledger {
     /// [`Self::expected_and_pending`], and whether the demand share of the
     /// window before `window` is known already (the script need not read
     /// that window again), under one lock.
+    #[cfg(test)]
     pub fn call_inputs(&self, key: &CounterKey, window: u64) -> CallInputs {
         let map = self.shard(key).lock();
         let Some(e) = map.get(key) else {
-            return CallInputs {
-                expected: -1,
-                pending: 0,
-                settled: true,
-                demand_known: false,
-            };
+            return CallInputs::UNKNOWN;
         };
         inputs(e, window)
     }
 
     /// Suspect keys are decided locally until repaired.
+    #[cfg(test)]
     pub fn is_suspect(&self, key: &CounterKey) -> bool {
         self.shard(key).lock().get(key).is_some_and(|e| e.suspect)
     }
@@ -64,7 +77,7 @@ impl Ledger {
     /// A Redis-path call for the key, in `window`, is about to be sent.
     /// Returns the key's refund mark as it stood before this call (see
     /// [`Self::refund_mark`]) and what the call carries from the ledger
-    /// ([`Self::call_inputs`]), both read under the same lock; `None`,
+    /// ([`CallInputs`]), both read under the same lock; `None`,
     /// noting nothing, when the key is suspect (it is decided on the lease
     /// instead). The caller's earlier look at the key (routing) is not
     /// enough: between it and this, the key can turn suspect and its repair
@@ -100,15 +113,7 @@ impl Ledger {
             // Not tracked (the ledger is full of entries it may not
             // evict): nothing known of the key.
             self.untracked.fetch_add(1, Ordering::Relaxed);
-            Some((
-                (0, false),
-                CallInputs {
-                    expected: -1,
-                    pending: 0,
-                    settled: true,
-                    demand_known: false,
-                },
-            ))
+            Some(((0, false), CallInputs::UNKNOWN))
         })
     }
 
