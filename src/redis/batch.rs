@@ -339,7 +339,9 @@ impl Redis {
             .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut calls = Vec::with_capacity(batch.len());
         let mut replies = Vec::with_capacity(batch.len());
+        let mut charges = Vec::with_capacity(batch.len());
         for q in batch {
+            charges.push(q.call.charges);
             calls.push(q.call);
             replies.push((q.reply, q.caller));
         }
@@ -354,7 +356,7 @@ impl Redis {
             )
             .await
             .and_then(integers);
-        let answers: Vec<Reply> = match result.and_then(|flat| split(&flat, replies.len())) {
+        let answers: Vec<Reply> = match result.and_then(|flat| split(&flat, &charges)) {
             Ok(parts) => parts.into_iter().map(Ok).collect(),
             Err(e) => vec![Err(e); replies.len()],
         };
@@ -635,36 +637,42 @@ fn top_up_mixed(queue: &mut Vec<Queued>, busy: &mut Vec<u16>, batch: &mut Vec<Qu
     *queue = rest;
 }
 
-/// A batch reply, `{len, reply...}` per request then the call's Redis
-/// time, split into `n` replies, each with that time put after its status
-/// (`{status, now_ms, items...}`).
-fn split(flat: &[i64], n: usize) -> Result<Vec<Vec<i64>>, CallError> {
-    let (&now, flat) = flat
+/// A batch reply, per request its status and, unless stale (-1), per
+/// charge `remaining, reset, own, total, delta` with `total` only when
+/// `own` is 0 or more, then the call's Redis time: split into one reply
+/// per request (`charges[i]` charges for request i), each in the shape
+/// [`super::scripts::decode_decide`] reads, `{status, now_ms}` then five
+/// items per charge (`total` 0 where the script left it out).
+fn split(flat: &[i64], charges: &[usize]) -> Result<Vec<Vec<i64>>, CallError> {
+    let short = || CallError::Reply("batch reply too short".to_owned());
+    let (&now, mut rest) = flat
         .split_last()
         .ok_or_else(|| CallError::Reply("batch reply is empty".to_owned()))?;
-    let mut out = Vec::with_capacity(n);
-    let mut rest = flat;
-    for _ in 0..n {
-        let (&len, tail) = rest
-            .split_first()
-            .ok_or_else(|| CallError::Reply("batch reply too short".to_owned()))?;
-        let len = usize::try_from(len).unwrap_or(usize::MAX);
-        if len > tail.len() {
-            return Err(CallError::Reply(format!(
-                "batch reply announces {len} items, {} left",
-                tail.len()
-            )));
-        }
-        let part = &tail[..len];
-        let Some((&status, items)) = part.split_first() else {
-            return Err(CallError::Reply("a request's reply is empty".to_owned()));
-        };
-        let mut reply = Vec::with_capacity(len + 1);
+    let mut out = Vec::with_capacity(charges.len());
+    for &n in charges {
+        let (&status, tail) = rest.split_first().ok_or_else(short)?;
+        rest = tail;
+        let mut reply = Vec::with_capacity(2 + 5 * n);
         reply.push(status);
         reply.push(now);
-        reply.extend_from_slice(items);
+        if status != -1 {
+            for _ in 0..n {
+                let [remaining, reset, own, tail @ ..] = rest else {
+                    return Err(short());
+                };
+                let (total, tail) = match (own, tail) {
+                    (o, [total, tail @ ..]) if *o >= 0 => (*total, tail),
+                    (o, _) if *o >= 0 => return Err(short()),
+                    _ => (0, tail),
+                };
+                let [delta, tail @ ..] = tail else {
+                    return Err(short());
+                };
+                reply.extend_from_slice(&[*remaining, *reset, *own, total, *delta]);
+                rest = tail;
+            }
+        }
         out.push(reply);
-        rest = &tail[len..];
     }
     if !rest.is_empty() {
         return Err(CallError::Reply(format!(
@@ -703,6 +711,7 @@ mod tests {
                 ]
             },
             repeatable,
+            charges: 1,
         }
     }
 
@@ -765,21 +774,34 @@ mod tests {
 
     #[test]
     fn a_batch_reply_splits_per_request_or_says_why_not() {
-        // Three requests (the second one fenced), then Redis's time.
-        let flat = [2, 0, 8, 1, -1, 3, 1, 2, 3, 5_000];
+        // Three requests: one charge with its previous window read (a
+        // total follows its own count), one fenced (no items), and two
+        // charges whose previous windows were not read (-2) or not whole
+        // (-1), without a total; then Redis's time.
+        let flat = [
+            0, 8, 900, 3, 10, 1,  //
+            -1, //
+            1, -1, 500, -2, 0, 4, 500, -1, 0, //
+            5_000,
+        ];
         assert_eq!(
-            split(&flat, 3).ok(),
+            split(&flat, &[1, 1, 2]).ok(),
             Some(vec![
-                vec![0, 5_000, 8],
+                vec![0, 5_000, 8, 900, 3, 10, 1],
                 vec![-1, 5_000],
-                vec![1, 5_000, 2, 3]
+                vec![1, 5_000, -1, 500, -2, 0, 0, 4, 500, -1, 0, 0]
             ])
         );
-        assert!(split(&flat, 2).is_err(), "items left over");
-        assert!(split(&flat, 4).is_err(), "too short");
-        assert!(split(&[5, 1, 9], 1).is_err(), "announces more than it has");
-        assert!(split(&[0, 9], 1).is_err(), "a request without a status");
-        assert!(split(&[], 0).is_err(), "no time");
+        assert!(split(&flat, &[1, 1, 1]).is_err(), "items left over");
+        assert!(split(&flat, &[1, 1]).is_err(), "requests left over");
+        assert!(split(&flat, &[1, 1, 3]).is_err(), "too short");
+        assert!(split(&flat, &[1, 1, 2, 1]).is_err(), "a request too many");
+        assert!(
+            split(&[0, 8, 900, 3, 1, 5_000], &[1]).is_err(),
+            "a total announced by its own count is missing"
+        );
+        assert!(split(&[9], &[1]).is_err(), "a request without a status");
+        assert!(split(&[], &[]).is_err(), "no time");
     }
 
     fn queued(slot: u16, epoch: i64, n: i64) -> Queued {
@@ -798,6 +820,7 @@ mod tests {
                 header,
                 body: vec![Value::Integer(n)],
                 repeatable: true,
+                charges: 1,
             },
             reply: oneshot::channel().0,
             caller: Caller::here(),

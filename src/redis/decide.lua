@@ -52,18 +52,21 @@
 -- from a base key only append to it outside its hash tag, so a charge
 -- touches one slot.
 --
--- Reply: per request, the length of its reply and the reply {status, then
--- per charge: remaining, reset_ms, own, total, delta}; then now_ms; then
--- the token. status -1: stale, this replica's epoch is below a fence on one
--- of the keys, so nothing was written and the caller must not count the
--- request (no items follow); otherwise denied (1) + 2 × lost, lost when an
--- own field was below what the replica knew it to be (Redis restarted
--- empty or failed over): the replica re-asserts its counts. remaining: -1
--- when the charge is over its limit. own/total: this replica's count and
--- the key's total in the previous (complete) window, for demand shares
--- (own -1 when some replica decided off Redis in it, -2 when the script
--- did not read it: the caller holds it already). delta: what the
--- charge changed this replica's field by (0 when denied).
+-- Reply: per request, its status, then per charge: remaining, reset_ms,
+-- own, total (only when own is 0 or more), delta; then now_ms; then the
+-- token. The caller knows how many charges each request has, so no length
+-- goes with it: each item costs Redis about 450 instructions to convert
+-- and the caller about as many to read (callgrind). status -1: stale, this
+-- replica's epoch is below a fence on one of the keys, so nothing was
+-- written and the caller must not count the request (no items follow);
+-- otherwise denied (1) + 2 × lost, lost when an own field was below what
+-- the replica knew it to be (Redis restarted empty or failed over): the
+-- replica re-asserts its counts. remaining: -1 when the charge is over its
+-- limit. own/total: this replica's count and the key's total in the
+-- previous (complete) window, for demand shares (own -1 when some replica
+-- decided off Redis in it, -2 when the script did not read it: the caller
+-- holds it already; either way no total follows). delta: what the charge
+-- changed this replica's field by (0 when denied).
 --
 -- Counter layout (fixed and sliding window): one hash per (counter, window),
 -- "<base>@<window index>". Field "<idx>": replica idx's net count of
@@ -120,6 +123,21 @@ local function str(n)
     strings[n] = s
   end
   return s
+end
+
+-- Count strings as numbers, each converted once per call: `tonumber`
+-- converts a string twice (it checks, then converts, each time with
+-- strtod), about a thousand instructions (callgrind), more than a
+-- request's arithmetic, and a spread's counts are small numbers that
+-- repeat from key to key. A value that is not a number counts as 0.
+local numbers = {}
+local function num(s)
+  local n = numbers[s]
+  if not n then
+    n = tonumber(s) or 0
+    numbers[s] = n
+  end
+  return n
 end
 
 -- What a window without holds or proofs shares (never written: a proof
@@ -206,18 +224,20 @@ local function parse_window(key, flat)
     local f = flat[i]
     local b = byte(f, 1)
     if b and b >= 48 and b <= 57 then
-      local v = tonumber(flat[i + 1]) or 0
+      local s = flat[i + 1]
+      local v = numbers[s] or num(s)
       total = total + v
       if f == me then own = v end
     elseif b == 111 then -- 'o'
-      local v = tonumber(flat[i + 1]) or 0
+      local s = flat[i + 1]
+      local v = numbers[s] or num(s)
       total = total + v
       troubled = true
       if f == local_field then own_local = v end
     elseif b == 104 then -- 'h': another replica's unspent lease
       troubled = true
       if f ~= hold_field then
-        local v = tonumber(flat[i + 1]) or 0
+        local v = num(flat[i + 1])
         held = held + v
         if holds == NONE then holds = {} end
         holds[sub(f, 2)] = v
@@ -231,7 +251,7 @@ local function parse_window(key, flat)
     elseif f == announced_field then
       mine = flat[i + 1]
     elseif f == fence_field then
-      fence = tonumber(flat[i + 1]) or 0
+      fence = num(flat[i + 1])
     end
   end
   local w = {total = total, own = own, own_local = own_local, fence = fence, held = held,
@@ -251,16 +271,22 @@ local function counts(flat)
   local total, own, own_s, fence = 0, 0, nil, 0
   for i = 1, #flat, 2 do
     local f = flat[i]
-    local b = byte(f, 1)
-    if b and b >= 48 and b <= 57 then
-      local s = flat[i + 1]
-      local v = tonumber(s) or 0
-      total = total + v
-      if f == me then own, own_s = v, s end
+    -- This replica's own field first: comparing interned strings costs
+    -- less than string.byte, a C function call.
+    if f == me then
+      own_s = flat[i + 1]
+      own = numbers[own_s] or num(own_s)
+      total = total + own
     elseif f == fence_field then
-      fence = tonumber(flat[i + 1]) or 0
+      fence = num(flat[i + 1])
     else
-      return nil
+      local b = byte(f, 1)
+      if b and b >= 48 and b <= 57 then
+        local s = flat[i + 1]
+        total = total + (numbers[s] or num(s))
+      else
+        return nil
+      end
     end
   end
   return total, own, own_s, fence
@@ -282,9 +308,14 @@ local function members(out, o, m, used, count, limit, hits, may_deny, reset, own
       remaining = limit - after
     end
     count = count + delta
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 6, status, remaining, reset
-    out[o + 5], out[o + 6], out[o + 7] = own, total, delta
-    o = o + 7
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = status, remaining, reset, own
+    if own < 0 then
+      out[o + 5] = delta
+      o = o + 5
+    else
+      out[o + 5], out[o + 6] = total, delta
+      o = o + 6
+    end
   end
   return count, o
 end
@@ -308,10 +339,23 @@ local function plain(ch, base, e, never_deny, times)
   local key = base .. '@' .. (strings[w] or str(w))
   if windows[key] then return 0 end
   local flat = rcall('HGETALL', key)
-  local total, own, own_s, fence = counts(flat)
-  if not total then
-    parse_window(key, flat)
-    return 0
+  local nflat = #flat
+  local total, own, own_s, fence
+  -- A window no replica counted in yet, or only this one (without a
+  -- fence): decided without a call to `counts`, which with its four
+  -- results costs 2% of a request's instructions (callgrind).
+  if nflat == 0 then
+    total, own, fence = 0, 0, 0
+  elseif nflat == 2 and flat[1] == me then
+    own_s = flat[2]
+    own = numbers[own_s] or num(own_s)
+    total, fence = own, 0
+  else
+    total, own, own_s, fence = counts(flat)
+    if not total then
+      parse_window(key, flat)
+      return 0
+    end
   end
   local algo = ch.algo
   -- The previous window: its total, this replica's count in it, its
@@ -322,9 +366,17 @@ local function plain(ch, base, e, never_deny, times)
     local prev = windows[pkey]
     if not prev then
       local pflat = rcall('HGETALL', pkey)
-      local own_s_prev
-      p_total, p_own, own_s_prev, p_fence = counts(pflat)
-      if not p_total then prev = parse_window(pkey, pflat) end
+      local np = #pflat
+      -- As for the current window: empty, or this replica's count alone.
+      if np == 2 and pflat[1] == me then
+        local s = pflat[2]
+        p_own = numbers[s] or num(s)
+        p_total = p_own
+      elseif np > 0 then
+        local own_s_prev
+        p_total, p_own, own_s_prev, p_fence = counts(pflat)
+        if not p_total then prev = parse_window(pkey, pflat) end
+      end
     end
     if prev then
       p_total, p_own, p_fence, p_troubled = prev.total, prev.own + prev.own_local, prev.fence,
@@ -333,8 +385,8 @@ local function plain(ch, base, e, never_deny, times)
   end
   local at = nout + 1
   if fence > epoch or (algo == 2 and p_fence > epoch) then
-    out[at], out[at + 1] = 1, -1
-    nout = at + 1
+    out[at] = -1
+    nout = at
     return 1
   end
   -- Lost when Redis holds less of this replica's count than it knows of;
@@ -365,9 +417,14 @@ local function plain(ch, base, e, never_deny, times)
     p_own, p_total = -1, 0
   end
   local reset = (w + 1) * unit - now
-  out[at], out[at + 1], out[at + 2], out[at + 3] = 6, status, remaining, reset
-  out[at + 4], out[at + 5], out[at + 6] = p_own, p_total, delta
-  nout = at + 6
+  out[at], out[at + 1], out[at + 2], out[at + 3] = status, remaining, reset, p_own
+  if p_own < 0 then
+    out[at + 4] = delta
+    nout = at + 4
+  else
+    out[at + 4], out[at + 5] = p_total, delta
+    nout = at + 5
+  end
   local decided = 1
   if times > 1 and not lost then
     -- The group's other members, as the general path's group loop decides
@@ -380,7 +437,7 @@ local function plain(ch, base, e, never_deny, times)
   end
   if delta ~= 0 then
     rcall('HINCRBY', key, me, strings[delta] or str(delta))
-    if #flat == 0 then
+    if nflat == 0 then
       local expire_at = (w + 1) * unit + margin
       if algo == 2 then expire_at = expire_at + unit end
       rcall('PEXPIREAT', key, strings[expire_at] or str(expire_at))
@@ -435,8 +492,8 @@ for _ = 1, tonumber(ARGV[7]) do
   while member < times do
     member = member + 1
     -- One request's decision: its keys follow KEYS[ko], its arguments
-    -- ARGV[ao] (its shape); its reply goes to `out` after its length at
-    -- `at`. Written inline, not as a function: a function made per call
+    -- ARGV[ao] (its shape); its reply goes to `out` from `at` on.
+    -- Written inline, not as a function: a function made per call
     -- captures most of the chunk's locals, and making it (Lua walks its
     -- open upvalues for each) cost more than a request's arithmetic.
     if not touch then
@@ -556,8 +613,8 @@ for _ = 1, tonumber(ARGV[7]) do
         return extra
       end
     end
+    -- Where this request's reply starts (its status).
     local at = nout + 1
-    nout = at
     serial = serial + 1
     ntouched, nmeta, nwr = 0, 0, 0
     local call_id = ''
@@ -856,15 +913,20 @@ for _ = 1, tonumber(ARGV[7]) do
         end
         local delta = r[b + 8]
         if denied then delta = 0 end
-        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], r[b + 6]
-        out[nout + 4], out[nout + 5] = r[b + 7], delta
-        nout = nout + 5
+        local own = r[b + 6]
+        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], own
+        if own < 0 then
+          out[nout + 4] = delta
+          nout = nout + 4
+        else
+          out[nout + 4], out[nout + 5] = r[b + 7], delta
+          nout = nout + 5
+        end
       end
     end
-    out[at] = nout - at
     if member == 1 and times > 1 then
       local ch = shape.charges == 1 and charges[ARGV[ao + shape.first]]
-      local status = out[at + 1]
+      local status = out[at]
       if ch and ch.window_only and (status == 0 or status == 1) then
         -- The members of a group after its first, which was just
         -- decided: one fixed or sliding window charge, not a refund or a

@@ -145,6 +145,9 @@ pub struct DecideArgs {
     /// decide.lua). A sliding-log charge takes its members' ids from the
     /// call id, so identical requests must keep theirs.
     pub repeatable: bool,
+    /// How many charges the request has: its reply has no length, and is
+    /// read by this count ([`super::batch`]).
+    pub charges: usize,
 }
 
 /// decide.lua's arguments for one request ([`DecideArgs`]). The batch
@@ -244,6 +247,7 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
         header,
         body,
         repeatable,
+        charges: batch.charges.len(),
     }
 }
 
