@@ -417,6 +417,9 @@ local function plain(ch, base, e, never_deny, times)
     p_own, p_total = -1, 0
   end
   local reset = (w + 1) * unit - now
+  -- The reply's items, written out here as in `members` and the general
+  -- path: a function for these lines cost 1.8% of a request's
+  -- instructions (callgrind).
   out[at], out[at + 1], out[at + 2], out[at + 3] = status, remaining, reset, p_own
   if p_own < 0 then
     out[at + 4] = delta
