@@ -157,6 +157,24 @@ if episode ~= '' then announce = me .. ':' .. episode end
 local fence_field, local_field, hold_field = 'f' .. me, 'o' .. me, 'h' .. me
 local announced_field, proof_field = 'y' .. me, 'g' .. me
 
+-- When a new window hash expires: its window's end (`at`) plus the margin
+-- (in `at` already) plus a spread of up to min(unit, margin). Without the
+-- spread every hash of a window expires in the same millisecond, and
+-- Redis's expiry cycle deletes such a crowd in one go: 10,000 at once held
+-- Redis 14-19 ms, past the replica's 15 ms budget, and every request in
+-- flight then was denied. The spread is drawn per hash from a
+-- Park-Miller sequence seeded by the call's microseconds, not by creation
+-- time: a busy counter's hashes are all made in the first milliseconds of
+-- their windows.
+local draw = tonumber(t[2]) + 1
+local function spread(unit)
+  local span = unit
+  if margin < span then span = margin end
+  if span <= 0 then return 0 end
+  draw = draw * 16807 % 2147483647
+  return draw % span
+end
+
 -- The indices of a comma-separated list other than this replica's, and
 -- the same as a set. Usually empty: then no iterator or table is made.
 local EMPTY = {set = {}}
@@ -213,8 +231,8 @@ local windows = {}
 -- replica's Redis-path field, its local (outage) field, and its fence.
 local function parse_window(key, flat)
   local total, own, own_local, fence, held = 0, 0, 0, 0, 0
-  -- Every writer sets the hash's expiry when it creates it, to the same
-  -- window end plus margin: an existing hash needs it no more.
+  -- Every writer sets the hash's expiry when it creates it (its window's
+  -- end plus the margin and a spread): an existing hash needs it no more.
   local exists = #flat > 0
   local holds, proofs, x, mine = NONE, NONE, nil, nil
   -- Some replica decided off Redis in this window (it replayed, held, or
@@ -443,7 +461,7 @@ local function plain(ch, base, e, never_deny, times)
     if nflat == 0 then
       local expire_at = (w + 1) * unit + margin
       if algo == 2 then expire_at = expire_at + unit end
-      rcall('PEXPIREAT', key, strings[expire_at] or str(expire_at))
+      rcall('PEXPIREAT', key, format('%d', expire_at + spread(unit)))
     end
   end
   return decided
@@ -675,7 +693,8 @@ for _ = 1, tonumber(ARGV[7]) do
             weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
           end
         end
-        local expire_at = (w + 1) * unit + margin
+        -- For a hash this call makes (the window's, or its announcement's).
+        local expire_at = (w + 1) * unit + margin + spread(unit)
         if algo == 2 then expire_at = expire_at + unit end
         -- What the other replicas off Redis still hold of their leases, or may
         -- hold unseen, counts as used here, so it is not granted twice (a
@@ -817,7 +836,8 @@ for _ = 1, tonumber(ARGV[7]) do
         own = prev_use.own + prev_use.own_local
         total = prev_use.total
         delta = consumed
-        write('bucket', base, after, now, full_in + margin, ckey, consumed, (w + 1) * unit + margin)
+        write('bucket', base, after, now, full_in + margin, ckey, consumed,
+          (w + 1) * unit + margin + spread(unit))
       end
       local b = (i - 1) * 8
       r[b + 1], r[b + 2], r[b + 3], r[b + 4] = ch.role, over, rem_now, rem_after
@@ -973,7 +993,7 @@ for k = 1, norder do
     rcall('HINCRBY', key, me, strings[d] or str(d))
     if not windows[key].exists then
       local e = incr_at[key]
-      rcall('PEXPIREAT', key, strings[e] or str(e))
+      rcall('PEXPIREAT', key, format('%d', e))
     end
   end
 end

@@ -24,8 +24,10 @@
 //!   call may touch any keys there.
 //! - **Expiry.** Every key gets a TTL: a window hash lives until its window
 //!   ends (sliding: one unit longer, as the next window reads it) plus
-//!   `redis_expiry_margin_ms`; a log until its newest member leaves plus the
-//!   margin; a bucket until it would be full again plus the margin.
+//!   `redis_expiry_margin_ms`, and up to min(unit, margin) more, drawn per
+//!   hash so that a window's hashes do not all expire at once (see
+//!   decide.lua); a log until its newest member leaves plus the margin; a
+//!   bucket until it would be full again plus the margin.
 //! - **Replay is idempotent by construction.** Each replica writes only its
 //!   own field, so recovery is "set my field to my count", which can be
 //!   repeated; sliding-log members have deterministic ids, so re-adding them

@@ -58,6 +58,17 @@ local fence = 'f' .. me
 local local_field = 'o' .. me
 local hold_field = 'h' .. me
 local version = 'v' .. me
+-- Each window hash written expires up to min(unit, margin) after its
+-- natural end (`life`), at a point drawn per hash, as decide.lua does: a
+-- window's hashes expiring in one millisecond make Redis delete them all
+-- in one go, a stall that a crowd of thousands takes past the budget.
+local draw = tonumber(t[2]) + 1
+local function spread(unit)
+  local span = math.min(unit, margin)
+  if span <= 0 then return 0 end
+  draw = draw * 16807 % 2147483647
+  return draw % span
+end
 local epoch_n = tonumber(epoch)
 local written = 0
 local fenced = 0
@@ -126,7 +137,7 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
         redis.call('HSET', base, fence, epoch)
       end
     end
-    redis.call('PEXPIREAT', key, life)
+    redis.call('PEXPIREAT', key, string.format('%d', life + spread(unit)))
     written = written + 1
   end
 end

@@ -517,12 +517,14 @@ async fn keys_expire_after_their_window_and_margin() {
     // Every key has a TTL.
     for key in &before {
         let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap_or(-9);
-        assert!(ttl > 0 && ttl <= 2_500, "{key} has PTTL {ttl}");
+        // At most 2 units (a sliding window) + the margin + a spread below
+        // min(unit, margin).
+        assert!(ttl > 0 && ttl <= 3_000, "{key} has PTTL {ttl}");
     }
     drop(c);
     drop(server);
-    // Longest natural life: sliding window, 2 units + margin.
-    tokio::time::sleep(Duration::from_millis(2_700)).await;
+    // Longest life: a sliding window, 2 units + the margin + the spread.
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
     let after = redis.keys();
     assert!(
         counters(after.clone()).is_empty(),

@@ -9,7 +9,7 @@
 //! request's shape says which), so both layouts are read alike.
 
 use crate::common::{test_dir, RedisServer};
-use leasehold::redis::scripts::DECIDE_LUA;
+use leasehold::redis::scripts::{DECIDE_LUA, REPLAY_LUA};
 
 /// A small deterministic generator (xorshift), so a failure can be rerun.
 struct Rng(u64);
@@ -445,4 +445,114 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         created >= 20 && admitted >= 100 && denied >= 100 && stale >= 20 && groups >= 20,
         "created {created}, admitted {admitted}, denied {denied}, stale {stale}, groups {groups}"
     );
+}
+
+/// When each key expires, in Redis's ms (PEXPIRETIME; -2 absent).
+fn expire_time(redis: &RedisServer, key: &str) -> i64 {
+    numbers(&redis.cli(&["PEXPIRETIME", key]))
+        .first()
+        .copied()
+        .unwrap_or(-9)
+}
+
+/// The window hashes `keys` (of window `w`) expire in `[end, end + span)`,
+/// at instants spread over at least half of it, half of them distinct.
+fn expire_spread(redis: &RedisServer, keys: &[String], w: i64, end: i64, span: i64, what: &str) {
+    let mut at: Vec<i64> = keys
+        .iter()
+        .map(|k| expire_time(redis, &format!("{k}@{w}")))
+        .collect();
+    for (k, &t) in keys.iter().zip(&at) {
+        assert!(
+            (end..end + span).contains(&t),
+            "{what}: {k}@{w} expires at {t}, not within [{end}, {})",
+            end + span
+        );
+    }
+    at.sort_unstable();
+    at.dedup();
+    let (first, last) = (at[0], at[at.len() - 1]);
+    assert!(
+        at.len() >= keys.len() / 2 && last - first >= span / 2,
+        "{what}: {} hashes expire at {} distinct instants over {} ms",
+        keys.len(),
+        at.len(),
+        last - first
+    );
+}
+
+#[test]
+fn the_window_hashes_a_call_makes_expire_spread_over_a_unit_not_at_one_instant() {
+    // A window's hashes all expiring in one millisecond make Redis delete
+    // them in one go (10,000 at once held it 14-19 ms, past a replica's
+    // 15 ms budget). Each new hash expires at its window's end plus the
+    // margin plus a spread below min(unit, margin): here a 1 s unit and a
+    // 10 s margin, so within one second, and never before the end plus
+    // the margin. Decisions (both paths) and replays alike.
+    let dir = test_dir("script-expiry");
+    let redis = RedisServer::start("redis", &dir);
+    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]).trim().to_owned();
+    assert_eq!(sha.len(), 40, "script loads: {sha}");
+    let replay = redis.cli(&["SCRIPT", "LOAD", REPLAY_LUA]).trim().to_owned();
+    assert_eq!(replay.len(), 40, "script loads: {replay}");
+    let (unit, margin) = (1_000_i64, 10_000_i64);
+    // 48 requests of one fixed-window charge each (the short path), then
+    // 16 of two charges (the general path), every charge on a key of its
+    // own; the demand of the previous window is known (flag 8).
+    let (short, general) = (48, 16);
+    let charge = format!("1,100,{unit},100,1,8,0,0,0");
+    let mut keys = Vec::new();
+    let mut args: Vec<String> = ["0", "1", &margin.to_string(), "", "", ""]
+        .map(str::to_owned)
+        .to_vec();
+    args.push((short + general).to_string());
+    for n in 0..short + general {
+        let charges = if n < short { 1 } else { 2 };
+        args.push(format!("{charges},{charges},0"));
+        for c in 0..charges {
+            keys.push(format!("x{{e}}:{n}.{c}"));
+            args.push(charge.clone());
+            args.push("-1".to_owned());
+        }
+    }
+    args.push("5".to_owned());
+    let out = evalsha(&redis, &sha, &keys, &args);
+    let flat = numbers(&out);
+    assert!(flat.len() > 2, "script error: {out}");
+    let now = flat[flat.len() - 2];
+    let w = now / unit;
+    let span = unit.min(margin);
+    expire_spread(&redis, &keys, w, (w + 1) * unit + margin, span, "decided");
+
+    // A replay of local counts into window hashes no call made: one call,
+    // 64 entries, in the next window (so that the call cannot cross the
+    // end of the one it writes).
+    let keys: Vec<String> = (0..64).map(|n| format!("y{{e}}:{n}")).collect();
+    let now = numbers(&redis.cli(&["TIME"]))[0] * 1000;
+    let w = now / unit + 1;
+    let mut args: Vec<String> = ["0", "1", &margin.to_string(), "boot"]
+        .map(str::to_owned)
+        .to_vec();
+    for _ in &keys {
+        args.extend(
+            [
+                "1",
+                "1",
+                &unit.to_string(),
+                &w.to_string(),
+                "1",
+                "100",
+                "100",
+            ]
+            .map(str::to_owned),
+        );
+    }
+    args.push("6".to_owned());
+    let out = evalsha(&redis, &replay, &keys, &args);
+    assert_eq!(
+        numbers(&out).first(),
+        Some(&64),
+        "every entry written: {out}"
+    );
+    expire_spread(&redis, &keys, w, (w + 1) * unit + margin, span, "replayed");
 }
