@@ -121,6 +121,13 @@ fn bucket(redis: &RedisServer, key: &str, tokens: u64, now_ms: u64) {
     ]);
 }
 
+/// Loads a script; its SHA.
+fn load(redis: &RedisServer, script: &str) -> String {
+    let sha = redis.cli(&["SCRIPT", "LOAD", script]).trim().to_owned();
+    assert_eq!(sha.len(), 40, "script loads: {sha}");
+    sha
+}
+
 /// One script call, as redis-cli prints its reply.
 fn evalsha(redis: &RedisServer, sha: &str, keys: &[String], args: &[String]) -> String {
     let nkeys = keys.len().to_string();
@@ -134,8 +141,7 @@ fn evalsha(redis: &RedisServer, sha: &str, keys: &[String], args: &[String]) -> 
 fn a_group_of_equal_requests_answers_as_each_request_alone() {
     let dir = test_dir("script-groups");
     let redis = RedisServer::start("redis", &dir);
-    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]).trim().to_owned();
-    assert_eq!(sha.len(), 40, "script loads: {sha}");
+    let sha = load(&redis, DECIDE_LUA);
     let mut rng = Rng(0x5eed_1e45_e401_d000);
     let (mut fast, mut admitted_some, mut denied_some) = (0, 0, 0);
     for scenario in 0..160 {
@@ -258,8 +264,7 @@ fn pttl(redis: &RedisServer, key: &str) -> i64 {
 fn a_window_of_counts_only_answers_as_the_general_path_does() {
     let dir = test_dir("script-plain");
     let redis = RedisServer::start("redis", &dir);
-    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]).trim().to_owned();
-    assert_eq!(sha.len(), 40, "script loads: {sha}");
+    let sha = load(&redis, DECIDE_LUA);
     let mut rng = Rng(0x9a1e_5eed_0b57_ac1e);
     // Another replica's fence: the general path ignores it, the short path
     // takes a hash holding it to the general one.
@@ -491,10 +496,8 @@ fn the_window_hashes_a_call_makes_expire_spread_over_a_unit_not_at_one_instant()
     // the margin. Decisions (both paths) and replays alike.
     let dir = test_dir("script-expiry");
     let redis = RedisServer::start("redis", &dir);
-    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE_LUA]).trim().to_owned();
-    assert_eq!(sha.len(), 40, "script loads: {sha}");
-    let replay = redis.cli(&["SCRIPT", "LOAD", REPLAY_LUA]).trim().to_owned();
-    assert_eq!(replay.len(), 40, "script loads: {replay}");
+    let sha = load(&redis, DECIDE_LUA);
+    let replay = load(&redis, REPLAY_LUA);
     let (unit, margin) = (1_000_i64, 10_000_i64);
     // 48 requests of one fixed-window charge each (the short path), then
     // 16 of two charges (the general path), every charge on a key of its
