@@ -347,6 +347,20 @@ impl Redis {
         })
     }
 
+    /// Redis's configured `hz` (`INFO server`), within `timeout`; None when
+    /// it cannot be read (no answer, or INFO not allowed to this user).
+    /// Its active expiry cycle runs up to a quarter of each 1000/hz ms
+    /// period at once (25 ms at the default hz of 10), and a call waits
+    /// behind it.
+    pub async fn configured_hz(&self, timeout: Duration) -> Option<u64> {
+        let info = self
+            .pool
+            .next()
+            .info::<String>(Some(fred::types::InfoKind::Server));
+        let text = tokio::time::timeout(timeout, info).await.ok()?.ok()?;
+        parse_hz(&text)
+    }
+
     /// PINGs every connected connection of the pool at once, each with its
     /// own token; one that does not answer within `timeout`, or answers out
     /// of step, is replaced (see the module docs) before this returns, so a
@@ -777,6 +791,18 @@ fn has_code(e: &fred::error::Error, code: &str) -> bool {
 }
 
 /// Whether a PING's reply is its own message.
+/// `configured_hz` from `INFO server` (dynamic hz may raise `hz` for a
+/// while under many clients; the configured value is what holds when idle),
+/// else `hz`.
+fn parse_hz(info: &str) -> Option<u64> {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    field("configured_hz").or_else(|| field("hz"))
+}
+
 fn echoes(reply: &Value, token: &str) -> bool {
     reply.as_str().is_some_and(|s| s == token)
 }
@@ -830,6 +856,15 @@ mod tests {
         moving.answered(7);
         let t1 = later(STUCK_MOVING * 2);
         assert!(moving.refused(7, t1, t1 + Duration::from_millis(50)));
+    }
+
+    #[test]
+    fn hz_is_read_from_info_configured_first() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nhz:100\r\nconfigured_hz:10\r\n";
+        assert_eq!(parse_hz(info), Some(10));
+        assert_eq!(parse_hz("# Server\r\nhz:50\r\n"), Some(50));
+        assert_eq!(parse_hz("# Server\r\nhzz:50\r\n"), None);
+        assert_eq!(parse_hz(""), None);
     }
 
     #[test]

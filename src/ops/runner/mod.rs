@@ -146,6 +146,9 @@ impl Topology {
                 String::new(),
                 "--appendonly".into(),
                 "no".into(),
+                // As compose.yaml: an expiry cycle of at most 2.5 ms.
+                "--hz".into(),
+                "100".into(),
                 "--dir".into(),
                 dir.join("redis").display().to_string(),
             ],
