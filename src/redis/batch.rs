@@ -51,8 +51,9 @@ use fred::types::Value;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use super::scripts::DecideArgs;
+use super::scripts::{Answer, DecideArgs};
 use super::{integers, CallError, Redis};
+use crate::domain::backend::DEMAND_NOT_READ;
 
 /// Requests per batch at most (and so per script call).
 pub const MAX_BATCH: usize = 32;
@@ -339,9 +340,9 @@ impl Redis {
             .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut calls = Vec::with_capacity(batch.len());
         let mut replies = Vec::with_capacity(batch.len());
-        let mut charges = Vec::with_capacity(batch.len());
-        for q in batch {
-            charges.push(q.call.charges);
+        let mut answers = Vec::with_capacity(batch.len());
+        for mut q in batch {
+            answers.push(std::mem::take(&mut q.call.answers));
             calls.push(q.call);
             replies.push((q.reply, q.caller));
         }
@@ -356,11 +357,11 @@ impl Redis {
             )
             .await
             .and_then(integers);
-        let answers: Vec<Reply> = match result.and_then(|flat| split(&flat, &charges)) {
+        let parts: Vec<Reply> = match result.and_then(|flat| split(&flat, &answers)) {
             Ok(parts) => parts.into_iter().map(Ok).collect(),
             Err(e) => vec![Err(e); replies.len()],
         };
-        answer(replies, answers);
+        answer(replies, parts);
     }
 }
 
@@ -639,24 +640,37 @@ fn top_up_mixed(queue: &mut Vec<Queued>, busy: &mut Vec<u16>, batch: &mut Vec<Qu
 
 /// A batch reply, per request its status and, unless stale (-1), per
 /// charge `remaining, reset, own, total, delta` with `total` only when
-/// `own` is 0 or more, then the call's Redis time: split into one reply
-/// per request (`charges[i]` charges for request i), each in the shape
+/// `own` is 0 or more (or `remaining, delta` for a short one, see
+/// [`Answer`]), then the call's Redis time: split into one reply per
+/// request (`answers[i]` for request i's charges), each in the shape
 /// [`super::scripts::decode_decide`] reads, `{status, now_ms}` then five
-/// items per charge (`total` 0 where the script left it out).
-fn split(flat: &[i64], charges: &[usize]) -> Result<Vec<Vec<i64>>, CallError> {
+/// items per charge (`total` 0 where the script left it out, `reset` and
+/// `own` made here for a short one).
+fn split(flat: &[i64], answers: &[Vec<Answer>]) -> Result<Vec<Vec<i64>>, CallError> {
     let short = || CallError::Reply("batch reply too short".to_owned());
     let (&now, mut rest) = flat
         .split_last()
         .ok_or_else(|| CallError::Reply("batch reply is empty".to_owned()))?;
-    let mut out = Vec::with_capacity(charges.len());
-    for &n in charges {
+    let mut out = Vec::with_capacity(answers.len());
+    for request in answers {
         let (&status, tail) = rest.split_first().ok_or_else(short)?;
         rest = tail;
-        let mut reply = Vec::with_capacity(2 + 5 * n);
+        let mut reply = Vec::with_capacity(2 + 5 * request.len());
         reply.push(status);
         reply.push(now);
         if status != -1 {
-            for _ in 0..n {
+            for answer in request {
+                if let Answer::Short { unit_ms } = *answer {
+                    let [remaining, delta, tail @ ..] = rest else {
+                        return Err(short());
+                    };
+                    // The time to the end of the window the call landed in.
+                    let unit = i64::try_from(unit_ms).unwrap_or(i64::MAX).max(1);
+                    let reset = unit - now.rem_euclid(unit);
+                    reply.extend_from_slice(&[*remaining, reset, DEMAND_NOT_READ, 0, *delta]);
+                    rest = tail;
+                    continue;
+                }
                 let [remaining, reset, own, tail @ ..] = rest else {
                     return Err(short());
                 };
@@ -711,7 +725,7 @@ mod tests {
                 ]
             },
             repeatable,
-            charges: 1,
+            answers: vec![Answer::Full],
         }
     }
 
@@ -772,6 +786,11 @@ mod tests {
         assert_eq!(texts(&args)[9], "-1");
     }
 
+    /// Requests of `n` charges each, every one answered in full.
+    fn full(ns: &[usize]) -> Vec<Vec<Answer>> {
+        ns.iter().map(|&n| vec![Answer::Full; n]).collect()
+    }
+
     #[test]
     fn a_batch_reply_splits_per_request_or_says_why_not() {
         // Three requests: one charge with its previous window read (a
@@ -785,23 +804,54 @@ mod tests {
             5_000,
         ];
         assert_eq!(
-            split(&flat, &[1, 1, 2]).ok(),
+            split(&flat, &full(&[1, 1, 2])).ok(),
             Some(vec![
                 vec![0, 5_000, 8, 900, 3, 10, 1],
                 vec![-1, 5_000],
                 vec![1, 5_000, -1, 500, -2, 0, 0, 4, 500, -1, 0, 0]
             ])
         );
-        assert!(split(&flat, &[1, 1, 1]).is_err(), "items left over");
-        assert!(split(&flat, &[1, 1]).is_err(), "requests left over");
-        assert!(split(&flat, &[1, 1, 3]).is_err(), "too short");
-        assert!(split(&flat, &[1, 1, 2, 1]).is_err(), "a request too many");
+        assert!(split(&flat, &full(&[1, 1, 1])).is_err(), "items left over");
+        assert!(split(&flat, &full(&[1, 1])).is_err(), "requests left over");
+        assert!(split(&flat, &full(&[1, 1, 3])).is_err(), "too short");
         assert!(
-            split(&[0, 8, 900, 3, 1, 5_000], &[1]).is_err(),
+            split(&flat, &full(&[1, 1, 2, 1])).is_err(),
+            "a request too many"
+        );
+        assert!(
+            split(&[0, 8, 900, 3, 1, 5_000], &full(&[1])).is_err(),
             "a total announced by its own count is missing"
         );
-        assert!(split(&[9], &[1]).is_err(), "a request without a status");
+        assert!(
+            split(&[9], &full(&[1])).is_err(),
+            "a request without a status"
+        );
         assert!(split(&[], &[]).is_err(), "no time");
+    }
+
+    #[test]
+    fn a_short_answer_gets_its_reset_from_redis_time_and_no_demand() {
+        // A request of a short charge (a 1 s window) then a full one, and
+        // a short one alone, at 5,300 ms on Redis's clock.
+        let second = Answer::Short { unit_ms: 1_000 };
+        let minute = Answer::Short { unit_ms: 60_000 };
+        let flat = [
+            0, 7, 1, 4, 900, 3, 10, 1, //
+            1, -1, 0, //
+            5_300,
+        ];
+        let answers = vec![vec![second, Answer::Full], vec![minute]];
+        assert_eq!(
+            split(&flat, &answers).ok(),
+            Some(vec![
+                vec![0, 5_300, 7, 700, DEMAND_NOT_READ, 0, 1, 4, 900, 3, 10, 1],
+                vec![1, 5_300, -1, 54_700, DEMAND_NOT_READ, 0, 0],
+            ])
+        );
+        // Read as full, the same items run out.
+        assert!(split(&flat, &full(&[2, 1])).is_err());
+        // A short answer missing its delta.
+        assert!(split(&[0, 7, 5_300], &[vec![second]]).is_err());
     }
 
     fn queued(slot: u16, epoch: i64, n: i64) -> Queued {
@@ -820,7 +870,7 @@ mod tests {
                 header,
                 body: vec![Value::Integer(n)],
                 repeatable: true,
-                charges: 1,
+                answers: vec![Answer::Full],
             },
             reply: oneshot::channel().0,
             caller: Caller::here(),

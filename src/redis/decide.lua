@@ -53,7 +53,8 @@
 -- touches one slot.
 --
 -- Reply: per request, its status, then per charge: remaining, reset_ms,
--- own, total (only when own is 0 or more), delta; then now_ms; then the
+-- own, total (only when own is 0 or more), delta, or for a short charge
+-- (see `charge_of`) only remaining and delta; then now_ms; then the
 -- token. The caller knows how many charges each request has, so no length
 -- goes with it: each item costs Redis about 450 instructions to convert
 -- and the caller about as many to read (callgrind). status -1: stale, this
@@ -219,6 +220,12 @@ local function charge_of(s)
   -- presumption: what the short path and a group's members take.
   ch.window_only = (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
     and ch.fraction <= 0
+  -- A fixed window whose previous window's demand the caller holds, not a
+  -- take-back: its reply is only remaining and delta, since the caller
+  -- knows the rest (reset is the time to the end of the current window,
+  -- and no demand is read). Two items fewer: each costs Redis about 450
+  -- instructions to convert, and most of a busy key's requests are such.
+  ch.short = ch.algo == 1 and ch.demand_known and not ch.pinned
   charges[s] = ch
   return ch
 end
@@ -326,12 +333,17 @@ local function members(out, o, m, used, count, limit, hits, may_deny, reset, own
       remaining = limit - after
     end
     count = count + delta
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4] = status, remaining, reset, own
-    if own < 0 then
-      out[o + 5] = delta
+    out[o + 1], out[o + 2] = status, remaining
+    -- A group's charge is a fixed or sliding window, never a take-back,
+    -- so own is -2 (demand not read) exactly when it is short.
+    if own == -2 then
+      out[o + 3] = delta
+      o = o + 3
+    elseif own < 0 then
+      out[o + 3], out[o + 4], out[o + 5] = reset, own, delta
       o = o + 5
     else
-      out[o + 5], out[o + 6] = total, delta
+      out[o + 3], out[o + 4], out[o + 5], out[o + 6] = reset, own, total, delta
       o = o + 6
     end
   end
@@ -438,12 +450,15 @@ local function plain(ch, base, e, never_deny, times)
   -- The reply's items, written out here as in `members` and the general
   -- path: a function for these lines cost 1.8% of a request's
   -- instructions (callgrind).
-  out[at], out[at + 1], out[at + 2], out[at + 3] = status, remaining, reset, p_own
-  if p_own < 0 then
-    out[at + 4] = delta
+  out[at], out[at + 1] = status, remaining
+  if ch.short then
+    out[at + 2] = delta
+    nout = at + 2
+  elseif p_own < 0 then
+    out[at + 2], out[at + 3], out[at + 4] = reset, p_own, delta
     nout = at + 4
   else
-    out[at + 4], out[at + 5] = p_total, delta
+    out[at + 2], out[at + 3], out[at + 4], out[at + 5] = reset, p_own, p_total, delta
     nout = at + 5
   end
   local decided = 1
@@ -937,12 +952,15 @@ for _ = 1, tonumber(ARGV[7]) do
         local delta = r[b + 8]
         if denied then delta = 0 end
         local own = r[b + 6]
-        out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], own
-        if own < 0 then
-          out[nout + 4] = delta
+        out[nout + 1] = remaining
+        if charges[ARGV[ao + shape.first + 2 * i - 2]].short then
+          out[nout + 2] = delta
+          nout = nout + 2
+        elseif own < 0 then
+          out[nout + 2], out[nout + 3], out[nout + 4] = r[b + 5], own, delta
           nout = nout + 4
         else
-          out[nout + 4], out[nout + 5] = r[b + 7], delta
+          out[nout + 2], out[nout + 3], out[nout + 4], out[nout + 5] = r[b + 5], own, r[b + 7], delta
           nout = nout + 5
         end
       end

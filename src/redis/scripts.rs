@@ -145,9 +145,22 @@ pub struct DecideArgs {
     /// decide.lua). A sliding-log charge takes its members' ids from the
     /// call id, so identical requests must keep theirs.
     pub repeatable: bool,
-    /// How many charges the request has: its reply has no length, and is
-    /// read by this count ([`super::batch`]).
-    pub charges: usize,
+    /// How the script answers each charge: its reply has no length, and is
+    /// read by these ([`super::batch`]).
+    pub answers: Vec<Answer>,
+}
+
+/// How decide.lua answers one charge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// remaining, reset, own, total only when own is 0 or more, delta.
+    Full,
+    /// A fixed window whose previous window's demand the caller holds
+    /// (flag bit 3), not a take-back: remaining and delta only. Its reset
+    /// is the time to the end of the current window, of `unit_ms`, on
+    /// Redis's time, and no demand was read
+    /// ([`DEMAND_NOT_READ`](crate::domain::backend::DEMAND_NOT_READ)).
+    Short { unit_ms: u64 },
 }
 
 /// decide.lua's arguments for one request ([`DecideArgs`]). The batch
@@ -208,8 +221,18 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
     if !repeatable {
         body.push(Value::from(call.call_id));
     }
+    let mut answers = Vec::with_capacity(batch.charges.len());
     for (i, c) in batch.charges.iter().enumerate() {
         let pc = p.charges.get(i).copied().unwrap_or_default();
+        answers.push(
+            if c.spec.algorithm == Algorithm::FixedWindow && pc.demand_known && !call.pinned {
+                Answer::Short {
+                    unit_ms: c.spec.unit.millis(),
+                }
+            } else {
+                Answer::Full
+            },
+        );
         let flags = u8::from(c.refund)
             + 2 * role_code(c.role)
             + 8 * u8::from(pc.demand_known)
@@ -247,7 +270,7 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
         header,
         body,
         repeatable,
-        charges: batch.charges.len(),
+        answers,
     }
 }
 

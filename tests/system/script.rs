@@ -73,20 +73,32 @@ fn numbers(text: &str) -> Vec<i64> {
     text.lines().filter_map(|l| l.trim().parse().ok()).collect()
 }
 
+/// Whether the script answers a charge short (remaining and delta only):
+/// a fixed window whose previous window's demand the caller holds (flag
+/// 8), not a take-back (flag 16).
+fn short(c: &Charge) -> bool {
+    c.algorithm == 1 && c.flags & 8 != 0 && c.flags & 16 == 0
+}
+
 /// Each request's reply (`status, items...`) after splitting a flat
-/// script reply, `charges[i]` charges for request i: per charge
-/// remaining, reset, own, total only when own is 0 or more, and delta;
-/// none when stale (-1). The call's time and token are left out.
-fn replies(flat: &[i64], charges: &[usize]) -> Vec<Vec<i64>> {
+/// script reply, `requests[i]` telling for request i's charges whether
+/// each is short: per charge remaining, reset, own, total only when own is
+/// 0 or more, and delta, or remaining and delta when short; none when
+/// stale (-1). The call's time and token are left out.
+fn replies(flat: &[i64], requests: &[Vec<bool>]) -> Vec<Vec<i64>> {
     let mut out = Vec::new();
     let mut at = 0;
-    for &n in charges {
+    for shorts in requests {
         let start = at;
         at += 1;
         if flat[start] != -1 {
-            for _ in 0..n {
-                let own = flat[at + 2];
-                at += if own >= 0 { 5 } else { 4 };
+            for &s in shorts {
+                if s {
+                    at += 2;
+                } else {
+                    let own = flat[at + 2];
+                    at += if own >= 0 { 5 } else { 4 };
+                }
             }
         }
         out.push(flat[start..at].to_vec());
@@ -211,7 +223,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
         let out = evalsha(&redis, &sha, &keys, &args);
         let flat = numbers(&out);
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
-        let all = replies(&flat, &vec![charges.len(); 2 * times]);
+        let all = replies(&flat, &vec![charges.iter().map(short).collect(); 2 * times]);
         let (grouped, alone) = all.split_at(times);
         assert_eq!(
             grouped, alone,
@@ -387,10 +399,10 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
         // Each request's charges, once per answer it stands for, in both
         // copies.
-        let per: Vec<usize> = requests
+        let per: Vec<Vec<bool>> = requests
             .iter()
             .zip(&times)
-            .flat_map(|(r, &t)| std::iter::repeat_n(r.len(), t))
+            .flat_map(|(r, &t)| std::iter::repeat_n(r.iter().map(|(_, c)| short(c)).collect(), t))
             .collect();
         let all = replies(&flat, &[per.clone(), per].concat());
         let (short, general) = all.split_at(answers);
