@@ -105,6 +105,13 @@ pub(super) async fn build(
     let boot = format!("{:x}", clock.now_ms());
     let (redis_engine, redis) = redis_engine(settings, url, replica_id, boot).await?;
     let (members_stop, members_rx) = watch::channel(false);
+    // Not supervised: it only reads, and nothing the replica serves
+    // depends on it; it ends with the membership heartbeat's stop.
+    tokio::spawn(watch_hz(
+        redis.clone(),
+        settings.redis_budget_max_ms,
+        members_rx.clone(),
+    ));
     let members = tokio::spawn(supervised(
         "membership heartbeat",
         redis_engine.membership().clone().run(members_rx),
@@ -147,26 +154,46 @@ pub(super) async fn build(
 /// Connects to Redis without waiting for it, logs clearly whether it
 /// answers, and registers this replica (a live duplicate id is fatal). The
 /// caller runs the membership heartbeat (`engine.membership().run`).
-/// Warns when Redis's active expiry cycle may hold it longer than a call's
-/// budget: it runs up to a quarter of each 1000/hz ms period at once, and
-/// with many keys expiring (a window's hashes, thousands a second) it does.
-/// Measured at the default hz of 10: cycles of 14-22 ms, and every request
-/// in flight then denied; at hz 100 none past 6 ms.
-async fn warn_of_expiry_stalls(redis: &Redis, budget_ms: u64) {
-    let Some(hz) = redis.configured_hz(Duration::from_secs(2)).await else {
-        return;
-    };
-    let cycle_ms = 250.0 / hz.max(1) as f64;
-    if cycle_ms >= budget_ms as f64 {
-        tracing::warn!(
-            redis = %redis.display_url,
-            hz,
-            expiry_cycle_ms = cycle_ms,
-            redis_budget_max_ms = budget_ms,
-            "Redis's expiry cycle can run {cycle_ms} ms at once at hz {hz}, past the {budget_ms} ms \
-             budget: with many keys expiring, the requests in flight then are denied. Set hz 100 in \
-             Redis (a cycle then runs at most 2.5 ms)"
-        );
+/// How often a replica reads Redis's hz again: a Redis restarted with
+/// another configuration, or one that did not answer at startup, is seen
+/// within this.
+const HZ_EVERY: Duration = Duration::from_secs(60);
+
+/// Reads Redis's hz now and every [`HZ_EVERY`] until `stop` (for /status
+/// and /metrics), and warns each time it reads one whose expiry cycle can
+/// hold Redis longer than a call's budget: the cycle runs up to a quarter
+/// of each 1000/hz ms period at once, and with many keys expiring (a
+/// window's hashes, thousands a second) it does. Measured at the default
+/// hz of 10: cycles of 14-22 ms, and every request in flight then denied;
+/// at hz 100 none past 6 ms. It writes nothing, so shutdown need not wait
+/// for it.
+async fn watch_hz(redis: Arc<Redis>, budget_ms: u64, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(HZ_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut warned = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+        let Some(hz) = redis.configured_hz(Duration::from_secs(2)).await else {
+            continue;
+        };
+        let cycle_ms = 250.0 / hz.max(1) as f64;
+        if cycle_ms < budget_ms as f64 {
+            warned = None;
+        } else if warned != Some(hz) {
+            warned = Some(hz);
+            tracing::warn!(
+                redis = %redis.display_url,
+                hz,
+                expiry_cycle_ms = cycle_ms,
+                redis_budget_max_ms = budget_ms,
+                "Redis's expiry cycle can run {cycle_ms} ms at once at hz {hz}, past the {budget_ms} ms \
+                 budget: with many keys expiring, the requests in flight then are denied. Set hz 100 in \
+                 Redis (a cycle then runs at most 2.5 ms)"
+            );
+        }
     }
 }
 
@@ -189,7 +216,6 @@ pub async fn redis_engine(
     match redis.ping(Duration::from_secs(2)).await {
         Ok(()) => {
             tracing::info!(redis = %redis.display_url, "connected to Redis");
-            warn_of_expiry_stalls(&redis, settings.redis_budget_max_ms).await;
         }
         Err(e) => tracing::warn!(
             redis = %redis.display_url,

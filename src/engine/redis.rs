@@ -109,6 +109,10 @@ pub struct RedisStatus {
     /// confirmed: writes Redis lost (a failover to a replica that was
     /// behind), restored by the repair.
     pub repairs_raised: u64,
+    /// Redis's configured hz, as last read (at startup and each minute;
+    /// null until read): its expiry cycle can hold Redis up to 250/hz ms
+    /// at once, and a call waits behind it.
+    pub hz: Option<u64>,
 }
 
 impl RedisEngine {
@@ -357,6 +361,7 @@ impl RedisEngine {
             cross_slot_refunds: self.cross_slot_refunds.load(Ordering::Relaxed),
             topology: self.redis.topology(),
             repairs_raised: self.repairs_raised.load(Ordering::Relaxed),
+            hz: self.redis.hz(),
         }
     }
 }

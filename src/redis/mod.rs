@@ -98,6 +98,9 @@ pub struct Redis {
     supervisor: tokio::task::JoinHandle<()>,
     /// Pool clients restarted so far.
     restarts: Arc<AtomicU64>,
+    /// Redis's configured hz as last read ([`Redis::configured_hz`]), 0
+    /// until read.
+    hz: AtomicU64,
 }
 
 impl Drop for Redis {
@@ -305,6 +308,7 @@ impl Redis {
             node_failures: Default::default(),
             supervisor,
             restarts,
+            hz: AtomicU64::new(0),
         })
     }
 
@@ -347,18 +351,26 @@ impl Redis {
         })
     }
 
-    /// Redis's configured `hz` (`INFO server`), within `timeout`; None when
-    /// it cannot be read (no answer, or INFO not allowed to this user).
-    /// Its active expiry cycle runs up to a quarter of each 1000/hz ms
-    /// period at once (25 ms at the default hz of 10), and a call waits
-    /// behind it.
+    /// Redis's configured `hz` (`INFO server`, from one node of a
+    /// Cluster), within `timeout`; None when it cannot be read (no answer,
+    /// or INFO not allowed to this user). Its active expiry cycle runs up
+    /// to a quarter of each 1000/hz ms period at once (25 ms at the
+    /// default hz of 10), and a call waits behind it. Kept for
+    /// [`Redis::hz`].
     pub async fn configured_hz(&self, timeout: Duration) -> Option<u64> {
         let info = self
             .pool
             .next()
             .info::<String>(Some(fred::types::InfoKind::Server));
         let text = tokio::time::timeout(timeout, info).await.ok()?.ok()?;
-        parse_hz(&text)
+        let hz = parse_hz(&text)?;
+        self.hz.store(hz, Ordering::Relaxed);
+        Some(hz)
+    }
+
+    /// Redis's hz as last read, None until read.
+    pub fn hz(&self) -> Option<u64> {
+        Some(self.hz.load(Ordering::Relaxed)).filter(|&hz| hz > 0)
     }
 
     /// PINGs every connected connection of the pool at once, each with its

@@ -1126,7 +1126,8 @@ async fn a_redis_whose_expiry_cycle_outlasts_the_budget_is_named_at_startup() {
     // Redis's expiry cycle runs up to a quarter of each 1000/hz ms period
     // at once: at its default hz of 10, 25 ms, past the default 15 ms
     // budget (seen: every request in flight denied while it deleted a
-    // window's hashes). Default settings; only Redis's hz changes.
+    // window's hashes). Default settings; only Redis's hz changes. Either
+    // way the replica shows the hz it read on /status and /metrics.
     let dir = test_dir("hz");
     let r = rules(
         &dir,
@@ -1144,13 +1145,27 @@ async fn a_redis_whose_expiry_cycle_outlasts_the_budget_is_named_at_startup() {
             &dir,
         );
         let log = || server.proc.log_text();
-        let connected = tokio::task::block_in_place(|| {
+        let shown = || server.status()["engine"]["redis"]["hz"].as_u64();
+        // The hz is read right after startup, then each minute; the
+        // warning follows the read.
+        let read = tokio::task::block_in_place(|| {
             wait_until(Duration::from_secs(10), || {
-                log().contains("registered with Redis")
+                shown().is_some() && (!warned || log().contains(warning))
             })
         });
-        assert!(connected, "hz {hz}: {}", log());
+        assert!(read, "hz {hz}: {:?} on /status; {}", shown(), log());
+        assert_eq!(shown(), hz.parse().ok(), "hz {hz} on /status");
         assert_eq!(log().contains(warning), warned, "hz {hz}: {}", log());
+        let metrics = get(server.http, "/metrics").expect("metrics").body;
+        assert!(
+            metrics.contains(&format!("\nleasehold_redis_hz {hz}\n")),
+            "hz {hz} on /metrics: {}",
+            metrics
+                .lines()
+                .filter(|l| l.contains("redis_hz"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
         let mut c = client(&server).await;
         let resp = c
             .should_rate_limit(single("h", &[("k", "v")]))
