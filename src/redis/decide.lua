@@ -43,6 +43,14 @@
 --     expected: this replica's confirmed count in window expected_w (-1
 --       unknown); when the call lands in that window and the field is
 --       below it, Redis lost data.
+--   or, for a run (flags bit 2; <times> is then its number of members):
+--       requests of the same shape and charge strings but their own keys
+--       and expected counts (a spread of distinct keys under one rule),
+--       each decided and answered as if sent on its own, neither groups
+--       nor with a call id: the charge strings once, then each member's
+--       expected counts in turn (and KEYS each member's keys in turn).
+--       Two arguments fewer per request after the first on a spread:
+--       each argument costs Redis about 1,150 instructions (callgrind).
 -- and last, the call's token, returned as the reply's last item so the
 -- caller can tell its reply from another call's.
 --
@@ -203,10 +211,12 @@ local shapes, charges = {}, {}
 local function shape_of(s)
   local k, c, f, times = match(s, '^(%d+),(%d+),(%d+),?(%d*)$')
   local flags = f + 0
-  local has_id = flags >= 2
+  local has_id = flags % 4 >= 2
   -- first: where its first charge is, after the shape and any call id.
+  -- times: how many requests a group stands for, or a run's members.
   local shape = {keys = k + 0, charges = c + 0, never_deny = flags % 2 == 1,
-                 times = times ~= '' and times + 0 or 1, has_id = has_id, first = has_id and 2 or 1}
+                 times = times ~= '' and times + 0 or 1, has_id = has_id, first = has_id and 2 or 1,
+                 run = flags >= 4}
   shapes[s] = shape
   return shape
 end
@@ -520,492 +530,512 @@ local last_cur, last_key, last_weighted, last_expire_at, last_reset, last_own, l
 local ko, ao = 0, 8
 for _ = 1, ARGV[7] + 0 do
   local shape = shapes[ARGV[ao]] or shape_of(ARGV[ao])
-  local times = shape.times
-  local member = 0
-  if shape.charges == 1 then
-    local s = ARGV[ao + shape.first]
-    local ch = charges[s] or charge_of(s)
-    if ch.window_only then
-      member = plain(ch, KEYS[ko + 1], ARGV[ao + shape.first + 1], shape.never_deny, times)
-    end
+  local nc = shape.charges
+  -- Where the request's charge strings and expected counts are, and the
+  -- step from one charge's to the next: interleaved in a request or a
+  -- group, each in a row in a run (whose members share the charge
+  -- strings, and each have their expected counts in turn).
+  local times, run = shape.times, 1
+  local cs, cstep, ex, estep = ao + shape.first, 2, ao + shape.first + 1, 2
+  if shape.run then
+    times, run = 1, shape.times
+    cs, cstep, ex, estep = ao + 1, 1, ao + 1 + nc, 1
   end
-  while member < times do
-    member = member + 1
-    -- One request's decision: its keys follow KEYS[ko], its arguments
-    -- ARGV[ao] (its shape); its reply goes to `out` from `at` on.
-    -- Written inline, not as a function: a function made per call
-    -- captures most of the chunk's locals, and making it (Lua walks its
-    -- open upvalues for each) cost more than a request's arithmetic.
-    if not touch then
-      -- Made here, once per call and only by a call that takes this path:
-      -- a call whose requests all take the short path (a hot key's group,
-      -- a spread of distinct keys) never does. Made at the top of the
-      -- script (or by a function made there), they cost every call 7% of
-      -- its instructions (callgrind, a hot key's group of 8): Lua walks
-      -- the list of captured locals for each upvalue of a closure it makes.
-
-      touched, meta, wr, r, incr, incr_at, order = {}, {}, {}, {}, {}, {}, {}
-
-      -- "<base>@<w>", made once per call per window.
-      window_keys = {}
-      function window_key(base, w)
-        local per = window_keys[base]
-        if not per then
-          per = {}
-          window_keys[base] = per
-        end
-        local key = per[w]
-        if not key then
-          key = base .. '@' .. (strings[w] or str(w))
-          per[w] = key
-        end
-        return key
+  local kb = ko
+  for _ = 1, run do
+    local member = 0
+    if nc == 1 then
+      local s = ARGV[cs]
+      local ch = charges[s] or charge_of(s)
+      if ch.window_only then
+        member = plain(ch, KEYS[kb + 1], ARGV[ex], shape.never_deny, times)
       end
+    end
+    while member < times do
+      member = member + 1
+      -- One request's decision: its keys follow KEYS[kb], its charge
+      -- strings and expected counts are at `cs` and `ex`; its reply goes to
+      -- `out` from `at` on.
+      -- Written inline, not as a function: a function made per call
+      -- captures most of the chunk's locals, and making it (Lua walks its
+      -- open upvalues for each) cost more than a request's arithmetic.
+      if not touch then
+        -- Made here, once per call and only by a call that takes this path:
+        -- a call whose requests all take the short path (a hot key's group,
+        -- a spread of distinct keys) never does. Made at the top of the
+        -- script (or by a function made there), they cost every call 7% of
+        -- its instructions (callgrind, a hot key's group of 8): Lua walks
+        -- the list of captured locals for each upvalue of a closure it makes.
 
-      function read_window(key)
-        return parse_window(key, rcall('HGETALL', key))
-      end
+        touched, meta, wr, r, incr, incr_at, order = {}, {}, {}, {}, {}, {}, {}
 
-      -- Backs up a key state's counts on the request's first touch (the window
-      -- path does the same inline). Announcement state is backed up apart, and
-      -- only when a request changes it (`presumed`).
-      function touch(st)
-        if st.mark ~= serial then
-          st.mark = serial
-          ntouched = ntouched + 1
-          touched[ntouched] = st
-          st.b_total, st.b_own, st.b_count = st.total, st.own, st.count
-          st.b_tokens, st.b_updated = st.tokens, st.updated
-        end
-        return st
-      end
-
-      -- Undoes this request's changes: its counts when it is denied (its
-      -- announcements and proofs are written all the same), everything when it
-      -- is stale (nothing is written).
-      function undo(all)
-        for k = 1, ntouched do
-          local st = touched[k]
-          st.total, st.own, st.count = st.b_total, st.b_own, st.b_count
-          st.tokens, st.updated = st.b_tokens, st.b_updated
-          if all and st.meta_mark == serial then
-            st.x, st.mine, st.proofs, st.troubled = st.b_x, st.b_mine, st.b_proofs, st.b_troubled
-            if st.b_proofs ~= NONE then st.b_proofs[me] = st.b_proof end
+        -- "<base>@<w>", made once per call per window.
+        window_keys = {}
+        function window_key(base, w)
+          local per = window_keys[base]
+          if not per then
+            per = {}
+            window_keys[base] = per
           end
+          local key = per[w]
+          if not key then
+            key = base .. '@' .. (strings[w] or str(w))
+            per[w] = key
+          end
+          return key
         end
-      end
 
-      function window(key)
-        return touch(windows[key] or read_window(key))
-      end
+        function read_window(key)
+          return parse_window(key, rcall('HGETALL', key))
+        end
 
-      function write(kind, a, b, c, d, e, f, g)
-        local at = nwr * 8
-        nwr = nwr + 1
-        wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = kind, a, b, c
-        wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8] = d, e, f, g
-      end
+        -- Backs up a key state's counts on the request's first touch (the window
+        -- path does the same inline). Announcement state is backed up apart, and
+        -- only when a request changes it (`presumed`).
+        function touch(st)
+          if st.mark ~= serial then
+            st.mark = serial
+            ntouched = ntouched + 1
+            touched[ntouched] = st
+            st.b_total, st.b_own, st.b_count = st.total, st.own, st.count
+            st.b_tokens, st.b_updated = st.tokens, st.updated
+          end
+          return st
+        end
 
-      -- What the presumed members may grant in window `cur` unseen, beyond
-      -- their holds (see "presumed holds"); also queues this request's
-      -- announcement and proof for the window.
-      function presumed(key, cur, fraction, limit, prove, expire_at)
-        local announcing = announce ~= '' and fraction > 0 and cur.mine ~= episode
-        local proving = not announcing and prove and cur.x and cur.proofs[me] ~= cur.x
-        if (announcing or proving) and cur.meta_mark ~= serial then
-          cur.meta_mark = serial
-          cur.b_x, cur.b_mine, cur.b_proofs, cur.b_troubled = cur.x, cur.mine, cur.proofs, cur.troubled
-          cur.b_proof = cur.proofs[me]
-        end
-        if announcing then
-          cur.x = announce
-          cur.mine = episode
-          cur.proofs = {}
-          cur.troubled = true
-          nmeta = nmeta + 1
-          meta[nmeta] = {key, 'x', announce, announced_field, episode, expire_at}
-        elseif proving then
-          if cur.proofs == NONE then cur.proofs = {} end
-          cur.proofs[me] = cur.x
-          nmeta = nmeta + 1
-          meta[nmeta] = {key, proof_field, cur.x, nil, nil, expire_at}
-        end
-        if fraction <= 0 then return 0 end
-        local share = floor(fraction * limit)
-        local extra = 0
-        local holds = cur.holds
-        -- A presumed member's unspent lease "h" counts towards its presumption,
-        -- not on top. Its replayed local grants "o" do count on top: they may
-        -- come from a lease larger than the share presumed, so leaving them out
-        -- would undercount.
-        for k = 1, #silent do
-          extra = extra + max(0, share - (holds[silent[k]] or 0))
-        end
-        if announce ~= '' then
-          local x, proofs, is_silent = cur.x, cur.proofs, silent.set
-          for k = 1, #peers do
-            local j = peers[k]
-            if not is_silent[j] and (x == nil or proofs[j] ~= x) then
-              extra = extra + max(0, share - (holds[j] or 0))
+        -- Undoes this request's changes: its counts when it is denied (its
+        -- announcements and proofs are written all the same), everything when it
+        -- is stale (nothing is written).
+        function undo(all)
+          for k = 1, ntouched do
+            local st = touched[k]
+            st.total, st.own, st.count = st.b_total, st.b_own, st.b_count
+            st.tokens, st.updated = st.b_tokens, st.b_updated
+            if all and st.meta_mark == serial then
+              st.x, st.mine, st.proofs, st.troubled = st.b_x, st.b_mine, st.b_proofs, st.b_troubled
+              if st.b_proofs ~= NONE then st.b_proofs[me] = st.b_proof end
             end
           end
         end
-        return extra
-      end
-    end
-    -- Where this request's reply starts (its status).
-    local at = nout + 1
-    serial = serial + 1
-    ntouched, nmeta, nwr = 0, 0, 0
-    local call_id = ''
-    if shape.has_id then call_id = ARGV[ao + 1] end
-    local n = shape.charges
-    local stale = false
-    local lost = false
 
-    for i = 1, n do
-      local o = ao + shape.first + 2 * (i - 1)
-      local s = ARGV[o]
-      local ch = charges[s] or charge_of(s)
-      local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
-      local refund = ch.refund
-      -- Usually -1 (unknown), told apart without parsing it.
-      local e = ARGV[o + 1]
-      local expected = -1
-      if e ~= '-1' then expected = tonumber(e) end
-      local expected_w = ch.expected_w
-      local base = KEYS[ko + i]
-      local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
+        function window(key)
+          return touch(windows[key] or read_window(key))
+        end
 
-      if algo == 1 or algo == 2 then
-        local w = (now - now % unit) / unit
-        -- A take-back is decided in window expected_w, the one the charge
-        -- it reverses landed in, whatever the time now.
-        local pinned = ch.pinned
-        if pinned then w = expected_w end
-        -- Made here rather than by `window_key`, whose table per base key
-        -- costs more than the concatenation when keys do not repeat.
-        local key = base .. '@' .. (strings[w] or str(w))
-        local cur = windows[key] or read_window(key)
-        if cur.mark ~= serial then
-          cur.mark = serial
-          ntouched = ntouched + 1
-          touched[ntouched] = cur
-          cur.b_total, cur.b_own = cur.total, cur.own
-        end
-        if cur.fence > epoch then stale = true end
-        if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
-        local weighted = 0
-        -- The previous window is complete, so every replica reads the same
-        -- totals for it: demand shares taken from it add up to exactly 1. A
-        -- fixed window reads it only for those shares, so not when the caller
-        -- has them already (it then gets no demand back, and keeps its own).
-        local prev = nil
-        if algo == 2 or not ch.demand_known then
-          -- Only read here (this path never changes it), so no backup.
-          local pkey = base .. '@' .. (strings[w - 1] or str(w - 1))
-          prev = windows[pkey] or read_window(pkey)
-        end
-        if algo == 2 then
-          if prev.fence > epoch then stale = true end
-          if prev.total > 0 and not pinned then
-            weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
-          end
-        end
-        -- For a hash this call makes (the window's, or its announcement's).
-        local expire_at = (w + 1) * unit + margin + spread(unit)
-        if algo == 2 then expire_at = expire_at + unit end
-        -- What the other replicas off Redis still hold of their leases, or may
-        -- hold unseen, counts as used here, so it is not granted twice (a
-        -- presumption only after a failure, or to prove a window).
-        local count = cur.total + ch.pending + cur.held
-        local fraction = ch.fraction
-        if fraction > 0 or (ch.prove and cur.x) then
-          count = count + presumed(key, cur, fraction, limit, ch.prove, expire_at)
-        end
-        local estimate = weighted + count
-        local after
-        if refund then
-          local left = cur.total - hits
-          if left < 0 then left = 0 end
-          delta = left - cur.total
-          after = weighted + left + cur.held
-        else
-          delta = hits
-          after = estimate + hits
-          if after > limit then over = 1 end
-        end
-        rem_now = limit - estimate
-        if rem_now < 0 then rem_now = 0 end
-        if over == 0 and limit > after then rem_after = limit - after end
-        reset = (w + 1) * unit - now
-        cur.total = cur.total + delta
-        cur.own = cur.own + delta
-        -- Demand shares only from a window every replica decided on Redis:
-        -- shares taken from incomplete totals could add up to more than 1.
-        if prev == nil then
-          own = -2
-        elseif prev.troubled then
-          own = -1
-        else
-          own = prev.own + prev.own_local
-          total = prev.total
-        end
-        last_cur, last_key, last_weighted, last_expire_at = cur, key, weighted, expire_at
-        last_reset, last_own, last_total = reset, own, total
-        if delta ~= 0 then
+        function write(kind, a, b, c, d, e, f, g)
           local at = nwr * 8
           nwr = nwr + 1
-          wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = 'hincr', key, delta, expire_at
+          wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = kind, a, b, c
+          wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8] = d, e, f, g
         end
-      elseif algo == 3 then
-        -- Sliding log: one member per hit, scored by time; member ids are
-        -- "<replica>:<call id>:<charge>:<n>", so replaying a call is a no-op.
-        local st = windows[base]
-        if not st then
-          rcall('ZREMRANGEBYSCORE', base, '-inf', now - unit)
-          st = {count = rcall('ZCARD', base)}
-          windows[base] = st
-        end
-        touch(st)
-        local count = st.count
-        local after
-        -- One member per hit: a charge of more than 10000 hits (the
-        -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
-        -- refund takes at most that many.
-        if refund then
-          local k = min(hits, count, 10000)
-          after = count - k
-          if k > 0 then write('zpop', base, k) end
-          delta = -k
-        else
-          after = count + hits
-          local too_big = hits > 10000
-          if after > limit or too_big then over = 1 end
-          -- Past the limit (shadow) the log saturates at limit + 1 members.
-          local m = min(hits, max(0, limit + 1 - count))
-          if too_big then m = 0 end
-          if m > 0 then
-            write('zadd', base, m, i, now + unit + margin)
+
+        -- What the presumed members may grant in window `cur` unseen, beyond
+        -- their holds (see "presumed holds"); also queues this request's
+        -- announcement and proof for the window.
+        function presumed(key, cur, fraction, limit, prove, expire_at)
+          local announcing = announce ~= '' and fraction > 0 and cur.mine ~= episode
+          local proving = not announcing and prove and cur.x and cur.proofs[me] ~= cur.x
+          if (announcing or proving) and cur.meta_mark ~= serial then
+            cur.meta_mark = serial
+            cur.b_x, cur.b_mine, cur.b_proofs, cur.b_troubled = cur.x, cur.mine, cur.proofs, cur.troubled
+            cur.b_proof = cur.proofs[me]
           end
-          delta = m
-        end
-        -- What the log holds now (a charge past the limit adds fewer
-        -- members than hits), for the requests after this one.
-        st.count = count + delta
-        rem_now = max(0, limit - count)
-        rem_after = (over == 1) and 0 or max(0, limit - after)
-        local oldest = rcall('ZRANGE', base, 0, 0, 'WITHSCORES')
-        local first = tonumber(oldest[2]) or now
-        if count == 0 and after > 0 then first = now end
-        reset = max(1, first + unit - now)
-        own = -2
-        total = after
-      else
-        -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
-        -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
-        -- demand shares and replay.
-        local burst = ch.burst
-        local st = windows[base]
-        if not st then
-          local v = rcall('HMGET', base, 't', 'u', fence_field)
-          st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now,
-                fence = tonumber(v[3]) or 0}
-          windows[base] = st
-        end
-        touch(st)
-        -- Every request of the call checks the fence, not only the first.
-        if st.fence > epoch then stale = true end
-        local elapsed = max(0, now - st.updated)
-        local rate = limit / unit
-        local tokens_now = min(burst, st.tokens + elapsed * rate)
-        local after
-        if refund then
-          after = min(burst, tokens_now + hits)
-        else
-          if hits > tokens_now then over = 1 end
-          after = max(0, tokens_now - hits)
-        end
-        local full_in
-        if limit == 0 then
-          full_in = unit
-        elseif after >= burst then
-          full_in = 0
-        else
-          full_in = math.ceil((burst - after) * unit / limit)
-        end
-        st.tokens = after
-        st.updated = now
-        rem_now = floor(tokens_now)
-        rem_after = (over == 1) and 0 or floor(after)
-        reset = max(1, full_in)
-        local w = floor(now / unit)
-        local ckey = window_key(base, w)
-        local use = window(ckey)
-        if expected >= 0 and w == expected_w and use.own < expected then lost = true end
-        -- What this charge drew from the bucket: its hits when admitted, what
-        -- was left when charged past empty (shadow); always an integer.
-        local consumed = 0
-        if not refund then
-          if over == 1 then consumed = floor(tokens_now) else consumed = hits end
-        end
-        use.total = use.total + consumed
-        use.own = use.own + consumed
-        local prev_use = window(window_key(base, w - 1))
-        own = prev_use.own + prev_use.own_local
-        total = prev_use.total
-        delta = consumed
-        write('bucket', base, after, now, full_in + margin, ckey, consumed,
-          (w + 1) * unit + margin + spread(unit))
-      end
-      local b = (i - 1) * 8
-      r[b + 1], r[b + 2], r[b + 3], r[b + 4] = ch.role, over, rem_now, rem_after
-      r[b + 5], r[b + 6], r[b + 7], r[b + 8] = reset, own, total, delta
-    end
-    if stale then
-      undo(true)
-      out[nout + 1] = -1
-      nout = nout + 1
-    else
-      -- Announcements and proofs are facts about who decides where, written
-      -- whether or not the request is admitted.
-      for k = 1, nmeta do
-        local m = meta[k]
-        if m[4] then
-          rcall('HSET', m[1], m[2], m[3], m[4], m[5])
-        else
-          rcall('HSET', m[1], m[2], m[3])
-        end
-        if rcall('PTTL', m[1]) < 0 then rcall('PEXPIREAT', m[1], m[6]) end
-      end
-
-      local enforce_over = false
-      local quota_seen = false
-      local quota_all_over = true
-      for i = 1, n do
-        local b = (i - 1) * 8
-        local is_over = r[b + 2] == 1
-        local role = r[b + 1]
-        if role == 0 then
-          if is_over then enforce_over = true end
-        elseif role == 2 then
-          quota_seen = true
-          if not is_over then quota_all_over = false end
-        end
-      end
-      local denied = (not shape.never_deny) and (enforce_over or (quota_seen and quota_all_over))
-
-      if denied then
-        undo(false)
-      else
-        for k = 0, nwr - 1 do
-          local at = k * 8
-          local kind, a, b, c, d, e, f, g =
-            wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
-          if kind == 'hincr' then
-            -- a key, b delta, c expire_at
-            local p = incr[a]
-            if not p then
-              p = 0
-              incr_at[a] = c
-              norder = norder + 1
-              order[norder] = a
-            end
-            incr[a] = p + b
-          elseif kind == 'zadd' then
-            -- a key, b members, c charge index, d expire_at. In chunks:
-            -- unpack() has a small stack limit.
-            local args = {}
-            for j = 1, b do
-              args[#args + 1] = now
-              args[#args + 1] = me .. ':' .. call_id .. ':' .. c .. ':' .. j
-              if #args >= 1000 or j == b then
-                rcall('ZADD', a, unpack(args))
-                args = {}
+          if announcing then
+            cur.x = announce
+            cur.mine = episode
+            cur.proofs = {}
+            cur.troubled = true
+            nmeta = nmeta + 1
+            meta[nmeta] = {key, 'x', announce, announced_field, episode, expire_at}
+          elseif proving then
+            if cur.proofs == NONE then cur.proofs = {} end
+            cur.proofs[me] = cur.x
+            nmeta = nmeta + 1
+            meta[nmeta] = {key, proof_field, cur.x, nil, nil, expire_at}
+          end
+          if fraction <= 0 then return 0 end
+          local share = floor(fraction * limit)
+          local extra = 0
+          local holds = cur.holds
+          -- A presumed member's unspent lease "h" counts towards its presumption,
+          -- not on top. Its replayed local grants "o" do count on top: they may
+          -- come from a lease larger than the share presumed, so leaving them out
+          -- would undercount.
+          for k = 1, #silent do
+            extra = extra + max(0, share - (holds[silent[k]] or 0))
+          end
+          if announce ~= '' then
+            local x, proofs, is_silent = cur.x, cur.proofs, silent.set
+            for k = 1, #peers do
+              local j = peers[k]
+              if not is_silent[j] and (x == nil or proofs[j] ~= x) then
+                extra = extra + max(0, share - (holds[j] or 0))
               end
             end
-            rcall('PEXPIREAT', a, d)
-          elseif kind == 'zpop' then
-            rcall('ZPOPMAX', a, b)
-          elseif kind == 'bucket' then
-            -- a key, b tokens, c updated, d ttl, e window key, f consumed,
-            -- g window expire_at
-            rcall('HSET', a, 't', string.format('%.17g', b), 'u', c)
-            rcall('PEXPIRE', a, d)
-            if f > 0 then
-              rcall('HINCRBY', e, me, f)
-              rcall('PEXPIREAT', e, g)
+          end
+          return extra
+        end
+      end
+      -- Where this request's reply starts (its status).
+      local at = nout + 1
+      serial = serial + 1
+      ntouched, nmeta, nwr = 0, 0, 0
+      local call_id = ''
+      if shape.has_id then call_id = ARGV[ao + 1] end
+      local n = nc
+      local stale = false
+      local lost = false
+
+      for i = 1, n do
+        local s = ARGV[cs + cstep * (i - 1)]
+        local ch = charges[s] or charge_of(s)
+        local algo, limit, unit, hits = ch.algo, ch.limit, ch.unit, ch.hits
+        local refund = ch.refund
+        -- Usually -1 (unknown), told apart without parsing it.
+        local e = ARGV[ex + estep * (i - 1)]
+        local expected = -1
+        if e ~= '-1' then expected = tonumber(e) end
+        local expected_w = ch.expected_w
+        local base = KEYS[kb + i]
+        local over, rem_now, rem_after, reset, own, total, delta = 0, 0, 0, 0, 0, 0, 0
+
+        if algo == 1 or algo == 2 then
+          local w = (now - now % unit) / unit
+          -- A take-back is decided in window expected_w, the one the charge
+          -- it reverses landed in, whatever the time now.
+          local pinned = ch.pinned
+          if pinned then w = expected_w end
+          -- Made here rather than by `window_key`, whose table per base key
+          -- costs more than the concatenation when keys do not repeat.
+          local key = base .. '@' .. (strings[w] or str(w))
+          local cur = windows[key] or read_window(key)
+          if cur.mark ~= serial then
+            cur.mark = serial
+            ntouched = ntouched + 1
+            touched[ntouched] = cur
+            cur.b_total, cur.b_own = cur.total, cur.own
+          end
+          if cur.fence > epoch then stale = true end
+          if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
+          local weighted = 0
+          -- The previous window is complete, so every replica reads the same
+          -- totals for it: demand shares taken from it add up to exactly 1. A
+          -- fixed window reads it only for those shares, so not when the caller
+          -- has them already (it then gets no demand back, and keeps its own).
+          local prev = nil
+          if algo == 2 or not ch.demand_known then
+            -- Only read here (this path never changes it), so no backup.
+            local pkey = base .. '@' .. (strings[w - 1] or str(w - 1))
+            prev = windows[pkey] or read_window(pkey)
+          end
+          if algo == 2 then
+            if prev.fence > epoch then stale = true end
+            if prev.total > 0 and not pinned then
+              weighted = floor(prev.total * (unit - (now - w * unit)) / unit)
+            end
+          end
+          -- For a hash this call makes (the window's, or its announcement's).
+          local expire_at = (w + 1) * unit + margin + spread(unit)
+          if algo == 2 then expire_at = expire_at + unit end
+          -- What the other replicas off Redis still hold of their leases, or may
+          -- hold unseen, counts as used here, so it is not granted twice (a
+          -- presumption only after a failure, or to prove a window).
+          local count = cur.total + ch.pending + cur.held
+          local fraction = ch.fraction
+          if fraction > 0 or (ch.prove and cur.x) then
+            count = count + presumed(key, cur, fraction, limit, ch.prove, expire_at)
+          end
+          local estimate = weighted + count
+          local after
+          if refund then
+            local left = cur.total - hits
+            if left < 0 then left = 0 end
+            delta = left - cur.total
+            after = weighted + left + cur.held
+          else
+            delta = hits
+            after = estimate + hits
+            if after > limit then over = 1 end
+          end
+          rem_now = limit - estimate
+          if rem_now < 0 then rem_now = 0 end
+          if over == 0 and limit > after then rem_after = limit - after end
+          reset = (w + 1) * unit - now
+          cur.total = cur.total + delta
+          cur.own = cur.own + delta
+          -- Demand shares only from a window every replica decided on Redis:
+          -- shares taken from incomplete totals could add up to more than 1.
+          if prev == nil then
+            own = -2
+          elseif prev.troubled then
+            own = -1
+          else
+            own = prev.own + prev.own_local
+            total = prev.total
+          end
+          last_cur, last_key, last_weighted, last_expire_at = cur, key, weighted, expire_at
+          last_reset, last_own, last_total = reset, own, total
+          if delta ~= 0 then
+            local at = nwr * 8
+            nwr = nwr + 1
+            wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4] = 'hincr', key, delta, expire_at
+          end
+        elseif algo == 3 then
+          -- Sliding log: one member per hit, scored by time; member ids are
+          -- "<replica>:<call id>:<charge>:<n>", so replaying a call is a no-op.
+          local st = windows[base]
+          if not st then
+            rcall('ZREMRANGEBYSCORE', base, '-inf', now - unit)
+            st = {count = rcall('ZCARD', base)}
+            windows[base] = st
+          end
+          touch(st)
+          local count = st.count
+          local after
+          -- One member per hit: a charge of more than 10000 hits (the
+          -- engines' LOG_MAX_HITS_PER_CALL) is over and adds nothing; a
+          -- refund takes at most that many.
+          if refund then
+            local k = min(hits, count, 10000)
+            after = count - k
+            if k > 0 then write('zpop', base, k) end
+            delta = -k
+          else
+            after = count + hits
+            local too_big = hits > 10000
+            if after > limit or too_big then over = 1 end
+            -- Past the limit (shadow) the log saturates at limit + 1 members.
+            local m = min(hits, max(0, limit + 1 - count))
+            if too_big then m = 0 end
+            if m > 0 then
+              write('zadd', base, m, i, now + unit + margin)
+            end
+            delta = m
+          end
+          -- What the log holds now (a charge past the limit adds fewer
+          -- members than hits), for the requests after this one.
+          st.count = count + delta
+          rem_now = max(0, limit - count)
+          rem_after = (over == 1) and 0 or max(0, limit - after)
+          local oldest = rcall('ZRANGE', base, 0, 0, 'WITHSCORES')
+          local first = tonumber(oldest[2]) or now
+          if count == 0 and after > 0 then first = now end
+          reset = max(1, first + unit - now)
+          own = -2
+          total = after
+        else
+          -- Token bucket: hash "<base>" with t (tokens) and u (updated, ms);
+          -- consumption per replica goes to a fixed-window hash "<base>@<w>" for
+          -- demand shares and replay.
+          local burst = ch.burst
+          local st = windows[base]
+          if not st then
+            local v = rcall('HMGET', base, 't', 'u', fence_field)
+            st = {tokens = tonumber(v[1]) or burst, updated = tonumber(v[2]) or now,
+                  fence = tonumber(v[3]) or 0}
+            windows[base] = st
+          end
+          touch(st)
+          -- Every request of the call checks the fence, not only the first.
+          if st.fence > epoch then stale = true end
+          local elapsed = max(0, now - st.updated)
+          local rate = limit / unit
+          local tokens_now = min(burst, st.tokens + elapsed * rate)
+          local after
+          if refund then
+            after = min(burst, tokens_now + hits)
+          else
+            if hits > tokens_now then over = 1 end
+            after = max(0, tokens_now - hits)
+          end
+          local full_in
+          if limit == 0 then
+            full_in = unit
+          elseif after >= burst then
+            full_in = 0
+          else
+            full_in = math.ceil((burst - after) * unit / limit)
+          end
+          st.tokens = after
+          st.updated = now
+          rem_now = floor(tokens_now)
+          rem_after = (over == 1) and 0 or floor(after)
+          reset = max(1, full_in)
+          local w = floor(now / unit)
+          local ckey = window_key(base, w)
+          local use = window(ckey)
+          if expected >= 0 and w == expected_w and use.own < expected then lost = true end
+          -- What this charge drew from the bucket: its hits when admitted, what
+          -- was left when charged past empty (shadow); always an integer.
+          local consumed = 0
+          if not refund then
+            if over == 1 then consumed = floor(tokens_now) else consumed = hits end
+          end
+          use.total = use.total + consumed
+          use.own = use.own + consumed
+          local prev_use = window(window_key(base, w - 1))
+          own = prev_use.own + prev_use.own_local
+          total = prev_use.total
+          delta = consumed
+          write('bucket', base, after, now, full_in + margin, ckey, consumed,
+            (w + 1) * unit + margin + spread(unit))
+        end
+        local b = (i - 1) * 8
+        r[b + 1], r[b + 2], r[b + 3], r[b + 4] = ch.role, over, rem_now, rem_after
+        r[b + 5], r[b + 6], r[b + 7], r[b + 8] = reset, own, total, delta
+      end
+      if stale then
+        undo(true)
+        out[nout + 1] = -1
+        nout = nout + 1
+      else
+        -- Announcements and proofs are facts about who decides where, written
+        -- whether or not the request is admitted.
+        for k = 1, nmeta do
+          local m = meta[k]
+          if m[4] then
+            rcall('HSET', m[1], m[2], m[3], m[4], m[5])
+          else
+            rcall('HSET', m[1], m[2], m[3])
+          end
+          if rcall('PTTL', m[1]) < 0 then rcall('PEXPIREAT', m[1], m[6]) end
+        end
+
+        local enforce_over = false
+        local quota_seen = false
+        local quota_all_over = true
+        for i = 1, n do
+          local b = (i - 1) * 8
+          local is_over = r[b + 2] == 1
+          local role = r[b + 1]
+          if role == 0 then
+            if is_over then enforce_over = true end
+          elseif role == 2 then
+            quota_seen = true
+            if not is_over then quota_all_over = false end
+          end
+        end
+        local denied = (not shape.never_deny) and (enforce_over or (quota_seen and quota_all_over))
+
+        if denied then
+          undo(false)
+        else
+          for k = 0, nwr - 1 do
+            local at = k * 8
+            local kind, a, b, c, d, e, f, g =
+              wr[at + 1], wr[at + 2], wr[at + 3], wr[at + 4], wr[at + 5], wr[at + 6], wr[at + 7], wr[at + 8]
+            if kind == 'hincr' then
+              -- a key, b delta, c expire_at
+              local p = incr[a]
+              if not p then
+                p = 0
+                incr_at[a] = c
+                norder = norder + 1
+                order[norder] = a
+              end
+              incr[a] = p + b
+            elseif kind == 'zadd' then
+              -- a key, b members, c charge index, d expire_at. In chunks:
+              -- unpack() has a small stack limit.
+              local args = {}
+              for j = 1, b do
+                args[#args + 1] = now
+                args[#args + 1] = me .. ':' .. call_id .. ':' .. c .. ':' .. j
+                if #args >= 1000 or j == b then
+                  rcall('ZADD', a, unpack(args))
+                  args = {}
+                end
+              end
+              rcall('PEXPIREAT', a, d)
+            elseif kind == 'zpop' then
+              rcall('ZPOPMAX', a, b)
+            elseif kind == 'bucket' then
+              -- a key, b tokens, c updated, d ttl, e window key, f consumed,
+              -- g window expire_at
+              rcall('HSET', a, 't', string.format('%.17g', b), 'u', c)
+              rcall('PEXPIRE', a, d)
+              if f > 0 then
+                rcall('HINCRBY', e, me, f)
+                rcall('PEXPIREAT', e, g)
+              end
             end
           end
         end
-      end
 
-      local status = 0
-      if denied then status = 1 end
-      if lost then status = status + 2 end
-      out[nout + 1] = status
-      nout = nout + 1
-      for i = 1, n do
-        local b = (i - 1) * 8
-        local remaining = r[b + 4]
-        if r[b + 2] == 1 then
-          remaining = -1
-        elseif denied then
-          remaining = r[b + 3]
-        end
-        local delta = r[b + 8]
-        if denied then delta = 0 end
-        local own = r[b + 6]
-        out[nout + 1] = remaining
-        if charges[ARGV[ao + shape.first + 2 * i - 2]].short then
-          out[nout + 2] = delta
-          nout = nout + 2
-        elseif own < 0 then
-          out[nout + 2], out[nout + 3], out[nout + 4] = r[b + 5], own, delta
-          nout = nout + 4
-        else
-          out[nout + 2], out[nout + 3], out[nout + 4], out[nout + 5] = r[b + 5], own, r[b + 7], delta
-          nout = nout + 5
-        end
-      end
-    end
-    if member == 1 and times > 1 then
-      local ch = shape.charges == 1 and charges[ARGV[ao + shape.first]]
-      local status = out[at]
-      if ch and ch.window_only and (status == 0 or status == 1) then
-        -- The members of a group after its first, which was just
-        -- decided: one fixed or sliding window charge, not a refund or a
-        -- take-back, no presumption, neither stale nor lost. For each of
-        -- them the code above would find the same window, fence, weight of
-        -- the previous window, reset and demand, no announcement or proof
-        -- to make (the first made it), and a count raised by what the
-        -- members before it were granted; so this is that code for that
-        -- case, without its bookkeeping. Each member's reply is appended
-        -- as above.
-        local cur = last_cur
-        local count
-        count, nout = members(out, nout, times - 1, last_weighted + ch.pending + cur.held,
-          cur.total, ch.limit, ch.hits, not shape.never_deny and ch.role ~= 1, last_reset,
-          last_own, last_total)
-        local added = count - cur.total
-        if added ~= 0 then
-          local p = incr[last_key]
-          if not p then
-            p = 0
-            incr_at[last_key] = last_expire_at
-            norder = norder + 1
-            order[norder] = last_key
+        local status = 0
+        if denied then status = 1 end
+        if lost then status = status + 2 end
+        out[nout + 1] = status
+        nout = nout + 1
+        for i = 1, n do
+          local b = (i - 1) * 8
+          local remaining = r[b + 4]
+          if r[b + 2] == 1 then
+            remaining = -1
+          elseif denied then
+            remaining = r[b + 3]
           end
-          incr[last_key] = p + added
-          cur.total = count
-          cur.own = cur.own + added
+          local delta = r[b + 8]
+          if denied then delta = 0 end
+          local own = r[b + 6]
+          out[nout + 1] = remaining
+          if charges[ARGV[cs + cstep * (i - 1)]].short then
+            out[nout + 2] = delta
+            nout = nout + 2
+          elseif own < 0 then
+            out[nout + 2], out[nout + 3], out[nout + 4] = r[b + 5], own, delta
+            nout = nout + 4
+          else
+            out[nout + 2], out[nout + 3], out[nout + 4], out[nout + 5] = r[b + 5], own, r[b + 7], delta
+            nout = nout + 5
+          end
         end
-        member = times
+      end
+      if member == 1 and times > 1 then
+        local ch = nc == 1 and charges[ARGV[cs]]
+        local status = out[at]
+        if ch and ch.window_only and (status == 0 or status == 1) then
+          -- The members of a group after its first, which was just
+          -- decided: one fixed or sliding window charge, not a refund or a
+          -- take-back, no presumption, neither stale nor lost. For each of
+          -- them the code above would find the same window, fence, weight of
+          -- the previous window, reset and demand, no announcement or proof
+          -- to make (the first made it), and a count raised by what the
+          -- members before it were granted; so this is that code for that
+          -- case, without its bookkeeping. Each member's reply is appended
+          -- as above.
+          local cur = last_cur
+          local count
+          count, nout = members(out, nout, times - 1, last_weighted + ch.pending + cur.held,
+            cur.total, ch.limit, ch.hits, not shape.never_deny and ch.role ~= 1, last_reset,
+            last_own, last_total)
+          local added = count - cur.total
+          if added ~= 0 then
+            local p = incr[last_key]
+            if not p then
+              p = 0
+              incr_at[last_key] = last_expire_at
+              norder = norder + 1
+              order[norder] = last_key
+            end
+            incr[last_key] = p + added
+            cur.total = count
+            cur.own = cur.own + added
+          end
+          member = times
+        end
       end
     end
+    kb = kb + shape.keys
+    ex = ex + nc
   end
-  ko = ko + shape.keys
-  ao = ao + shape.first + 2 * shape.charges
+  if shape.run then
+    ko = ko + run * shape.keys
+    ao = ao + 1 + nc + run * nc
+  else
+    ko = ko + shape.keys
+    ao = ao + shape.first + 2 * nc
+  end
 end
 
 for k = 1, norder do

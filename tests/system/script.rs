@@ -264,6 +264,134 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
     );
 }
 
+#[test]
+fn a_run_of_requests_under_one_rule_answers_as_each_request_alone() {
+    let dir = test_dir("script-runs");
+    let redis = RedisServer::start("redis", &dir);
+    let sha = load(&redis, DECIDE_LUA);
+    let mut rng = Rng(0x0a11_7e57_5eed_0042);
+    let (mut plain, mut repeated, mut admitted_some, mut denied_some) = (0, 0, 0, 0);
+    for scenario in 0..160 {
+        let now_ms = {
+            let t = numbers(&redis.cli(&["TIME"]));
+            (t[0] * 1000 + t[1] / 1000) as u64
+        };
+        let w = now_ms / HOUR_MS;
+        let charges: Vec<Charge> = (0..1 + rng.below(4) / 3)
+            .map(|_| charge(&mut rng))
+            .collect();
+        // The members' keys: mostly distinct, sometimes one an earlier
+        // member had (its window then read already in the call).
+        let run = 2 + rng.below(6) as usize;
+        let names: Vec<u64> = (0..run).map(|_| rng.below(run as u64 + 2)).collect();
+        let expected: Vec<Vec<i64>> = (0..run)
+            .map(|_| {
+                charges
+                    .iter()
+                    .map(|c| if rng.below(3) == 0 { -1 } else { c.expected })
+                    .collect()
+            })
+            .collect();
+        let never_deny = rng.below(8) == 0;
+        let troubled = rng.below(5) == 0;
+        let base = |copy: &str, name: u64, i: usize| format!("t{{{scenario}{copy}}}:{name}:{i}");
+        for copy in ["r", "s"] {
+            for name in &names {
+                for (i, c) in charges.iter().enumerate() {
+                    let key = base(copy, *name, i);
+                    if c.algorithm == 4 {
+                        bucket(&redis, &key, c.start, now_ms);
+                    } else {
+                        redis.cli(&["HSET", &format!("{key}@{w}"), "0", &c.start.to_string()]);
+                        redis.cli(&[
+                            "HSET",
+                            &format!("{key}@{}", w - 1),
+                            "0",
+                            &c.previous.to_string(),
+                        ]);
+                    }
+                }
+            }
+        }
+        let charge_text = |c: &Charge| {
+            format!(
+                "{},{},{HOUR_MS},{},{},{},{w},{},{}",
+                c.algorithm, c.limit, c.limit, c.hits, c.flags, c.fraction, c.pending
+            )
+        };
+        let n = charges.len();
+        let flags = u64::from(never_deny);
+        let mut keys: Vec<String> = Vec::new();
+        let mut args: Vec<String> = ["0", "1", "1000"].map(str::to_owned).to_vec();
+        if troubled {
+            args.extend(["e1", "1,2", ""].map(str::to_owned));
+        } else {
+            args.extend(["", "", ""].map(str::to_owned));
+        }
+        args.push((1 + run).to_string());
+        // The run: its shape (flag 4, its members), the charge strings
+        // once, each member's expected counts in turn.
+        args.push(format!("{n},{n},{},{run}", flags + 4));
+        args.extend(charges.iter().map(charge_text));
+        for (m, name) in names.iter().enumerate() {
+            keys.extend((0..n).map(|i| base("r", *name, i)));
+            args.extend(expected[m].iter().map(i64::to_string));
+        }
+        // The same requests, each on its own.
+        for (m, name) in names.iter().enumerate() {
+            keys.extend((0..n).map(|i| base("s", *name, i)));
+            args.push(format!("{n},{n},{flags}"));
+            for (c, e) in charges.iter().zip(&expected[m]) {
+                args.push(charge_text(c));
+                args.push(e.to_string());
+            }
+        }
+        args.push("79".to_owned());
+        let out = evalsha(&redis, &sha, &keys, &args);
+        let flat = numbers(&out);
+        assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
+        let all = replies(&flat, &vec![charges.iter().map(short).collect(); 2 * run]);
+        let (in_run, alone) = all.split_at(run);
+        assert_eq!(
+            in_run, alone,
+            "scenario {scenario}: a run of {run} answers as its requests alone"
+        );
+        for name in &names {
+            for (i, c) in charges.iter().enumerate() {
+                let suffixes = if c.algorithm == 4 {
+                    vec![String::new(), format!("@{w}")]
+                } else {
+                    vec![format!("@{w}")]
+                };
+                for suffix in suffixes {
+                    assert_eq!(
+                        hash(&redis, &format!("{}{suffix}", base("r", *name, i))),
+                        hash(&redis, &format!("{}{suffix}", base("s", *name, i))),
+                        "scenario {scenario}: key {name} charge {i} holds the same counts"
+                    );
+                }
+            }
+        }
+        let c = &charges[0];
+        if n == 1 && c.algorithm != 4 && c.flags % 2 == 0 && c.fraction == "0" {
+            plain += 1;
+        }
+        let mut seen = names.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        repeated += usize::from(seen.len() < names.len());
+        let statuses: Vec<i64> = in_run.iter().map(|r| r[0]).collect();
+        admitted_some += usize::from(statuses.contains(&0));
+        denied_some += usize::from(statuses.contains(&1));
+    }
+    // The scenarios covered what they are for: runs the short path can
+    // decide, runs that repeat a key, and runs both admitted and denied.
+    assert!(
+        plain >= 30 && repeated >= 30 && admitted_some >= 30 && denied_some >= 30,
+        "plain {plain}, repeated {repeated}, admitted {admitted_some}, denied {denied_some}"
+    );
+}
+
 /// PTTL of a key, in ms (-2 absent, -1 without expiry).
 fn pttl(redis: &RedisServer, key: &str) -> i64 {
     numbers(&redis.cli(&["PTTL", key]))
