@@ -69,6 +69,70 @@ fn charge(rng: &mut Rng) -> Charge {
     }
 }
 
+impl Charge {
+    /// The charge's argument string, its unit an hour and its expected
+    /// count's window `w`.
+    fn text(&self, w: u64) -> String {
+        format!(
+            "{},{},{HOUR_MS},{},{},{},{w},{},{}",
+            self.algorithm,
+            self.limit,
+            self.limit,
+            self.hits,
+            self.flags,
+            self.fraction,
+            self.pending
+        )
+    }
+
+    /// Writes the counts it starts from under `key`: a bucket's tokens,
+    /// or replica 0's count in window `w` and the one before.
+    fn seed(&self, redis: &RedisServer, key: &str, w: u64, now_ms: u64) {
+        if self.algorithm == 4 {
+            bucket(redis, key, self.start, now_ms);
+        } else {
+            redis.cli(&["HSET", &format!("{key}@{w}"), "0", &self.start.to_string()]);
+            redis.cli(&[
+                "HSET",
+                &format!("{key}@{}", w - 1),
+                "0",
+                &self.previous.to_string(),
+            ]);
+        }
+    }
+
+    /// What a call changes under a key (a bucket's hash too).
+    fn written(&self, w: u64) -> Vec<String> {
+        if self.algorithm == 4 {
+            vec![String::new(), format!("@{w}")]
+        } else {
+            vec![format!("@{w}")]
+        }
+    }
+}
+
+/// Redis's time, in ms.
+fn redis_ms(redis: &RedisServer) -> u64 {
+    let t = numbers(&redis.cli(&["TIME"]));
+    (t[0] * 1000 + t[1] / 1000) as u64
+}
+
+/// A call's arguments before its requests: index 0, epoch 1, margin 1 s,
+/// and, `troubled`, a failure episode of this replica with peers 1 and 2
+/// presumed.
+fn call_header(troubled: bool) -> Vec<String> {
+    let tail = if troubled {
+        ["e1", "1,2", ""]
+    } else {
+        ["", "", ""]
+    };
+    ["0", "1", "1000"]
+        .iter()
+        .chain(&tail)
+        .map(|s| (*s).to_owned())
+        .collect()
+}
+
 fn numbers(text: &str) -> Vec<i64> {
     text.lines().filter_map(|l| l.trim().parse().ok()).collect()
 }
@@ -157,10 +221,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
     let mut rng = Rng(0x5eed_1e45_e401_d000);
     let (mut fast, mut admitted_some, mut denied_some) = (0, 0, 0);
     for scenario in 0..160 {
-        let now_ms = {
-            let t = numbers(&redis.cli(&["TIME"]));
-            (t[0] * 1000 + t[1] / 1000) as u64
-        };
+        let now_ms = redis_ms(&redis);
         let w = now_ms / HOUR_MS;
         let charges: Vec<Charge> = (0..1 + rng.below(4) / 3)
             .map(|_| charge(&mut rng))
@@ -172,18 +233,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
         let base = |copy: &str, i: usize| format!("t{{{scenario}{copy}}}:{i}");
         for copy in ["g", "s"] {
             for (i, c) in charges.iter().enumerate() {
-                let key = base(copy, i);
-                if c.algorithm == 4 {
-                    bucket(&redis, &key, c.start, now_ms);
-                } else {
-                    redis.cli(&["HSET", &format!("{key}@{w}"), "0", &c.start.to_string()]);
-                    redis.cli(&[
-                        "HSET",
-                        &format!("{key}@{}", w - 1),
-                        "0",
-                        &c.previous.to_string(),
-                    ]);
-                }
+                c.seed(&redis, &base(copy, i), w, now_ms);
             }
         }
         // The shape's flags: bit 0 never deny, bit 1 a call id follows
@@ -198,21 +248,13 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
             let mut out = vec![shape];
             out.extend(id.map(str::to_owned));
             for c in &charges {
-                out.push(format!(
-                    "{},{},{HOUR_MS},{},{},{},{w},{},{}",
-                    c.algorithm, c.limit, c.limit, c.hits, c.flags, c.fraction, c.pending
-                ));
+                out.push(c.text(w));
                 out.push(c.expected.to_string());
             }
             out
         };
         let mut keys: Vec<String> = (0..charges.len()).map(|i| base("g", i)).collect();
-        let mut args: Vec<String> = ["0", "1", "1000"].map(str::to_owned).to_vec();
-        if troubled {
-            args.extend(["e1", "1,2", ""].map(str::to_owned));
-        } else {
-            args.extend(["", "", ""].map(str::to_owned));
-        }
+        let mut args = call_header(troubled);
         args.push((1 + times).to_string());
         args.extend(body(None, times));
         for n in 0..times {
@@ -230,12 +272,7 @@ fn a_group_of_equal_requests_answers_as_each_request_alone() {
             "scenario {scenario}: a group of {times} answers as its requests alone"
         );
         for (i, c) in charges.iter().enumerate() {
-            let keys = if c.algorithm == 4 {
-                vec![String::new(), format!("@{w}")]
-            } else {
-                vec![format!("@{w}")]
-            };
-            for suffix in keys {
+            for suffix in c.written(w) {
                 assert_eq!(
                     hash(&redis, &format!("{}{suffix}", base("g", i))),
                     hash(&redis, &format!("{}{suffix}", base("s", i))),
@@ -272,10 +309,7 @@ fn a_run_of_requests_under_one_rule_answers_as_each_request_alone() {
     let mut rng = Rng(0x0a11_7e57_5eed_0042);
     let (mut plain, mut repeated, mut admitted_some, mut denied_some) = (0, 0, 0, 0);
     for scenario in 0..160 {
-        let now_ms = {
-            let t = numbers(&redis.cli(&["TIME"]));
-            (t[0] * 1000 + t[1] / 1000) as u64
-        };
+        let now_ms = redis_ms(&redis);
         let w = now_ms / HOUR_MS;
         let charges: Vec<Charge> = (0..1 + rng.below(4) / 3)
             .map(|_| charge(&mut rng))
@@ -298,41 +332,19 @@ fn a_run_of_requests_under_one_rule_answers_as_each_request_alone() {
         for copy in ["r", "s"] {
             for name in &names {
                 for (i, c) in charges.iter().enumerate() {
-                    let key = base(copy, *name, i);
-                    if c.algorithm == 4 {
-                        bucket(&redis, &key, c.start, now_ms);
-                    } else {
-                        redis.cli(&["HSET", &format!("{key}@{w}"), "0", &c.start.to_string()]);
-                        redis.cli(&[
-                            "HSET",
-                            &format!("{key}@{}", w - 1),
-                            "0",
-                            &c.previous.to_string(),
-                        ]);
-                    }
+                    c.seed(&redis, &base(copy, *name, i), w, now_ms);
                 }
             }
         }
-        let charge_text = |c: &Charge| {
-            format!(
-                "{},{},{HOUR_MS},{},{},{},{w},{},{}",
-                c.algorithm, c.limit, c.limit, c.hits, c.flags, c.fraction, c.pending
-            )
-        };
         let n = charges.len();
         let flags = u64::from(never_deny);
         let mut keys: Vec<String> = Vec::new();
-        let mut args: Vec<String> = ["0", "1", "1000"].map(str::to_owned).to_vec();
-        if troubled {
-            args.extend(["e1", "1,2", ""].map(str::to_owned));
-        } else {
-            args.extend(["", "", ""].map(str::to_owned));
-        }
+        let mut args = call_header(troubled);
         args.push((1 + run).to_string());
         // The run: its shape (flag 4, its members), the charge strings
         // once, each member's expected counts in turn.
         args.push(format!("{n},{n},{},{run}", flags + 4));
-        args.extend(charges.iter().map(charge_text));
+        args.extend(charges.iter().map(|c| c.text(w)));
         for (m, name) in names.iter().enumerate() {
             keys.extend((0..n).map(|i| base("r", *name, i)));
             args.extend(expected[m].iter().map(i64::to_string));
@@ -342,7 +354,7 @@ fn a_run_of_requests_under_one_rule_answers_as_each_request_alone() {
             keys.extend((0..n).map(|i| base("s", *name, i)));
             args.push(format!("{n},{n},{flags}"));
             for (c, e) in charges.iter().zip(&expected[m]) {
-                args.push(charge_text(c));
+                args.push(c.text(w));
                 args.push(e.to_string());
             }
         }
@@ -358,12 +370,7 @@ fn a_run_of_requests_under_one_rule_answers_as_each_request_alone() {
         );
         for name in &names {
             for (i, c) in charges.iter().enumerate() {
-                let suffixes = if c.algorithm == 4 {
-                    vec![String::new(), format!("@{w}")]
-                } else {
-                    vec![format!("@{w}")]
-                };
-                for suffix in suffixes {
+                for suffix in c.written(w) {
                     assert_eq!(
                         hash(&redis, &format!("{}{suffix}", base("r", *name, i))),
                         hash(&redis, &format!("{}{suffix}", base("s", *name, i))),
@@ -411,10 +418,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
     const ODD: &str = "f9";
     let (mut created, mut admitted, mut denied, mut stale, mut groups) = (0, 0, 0, 0, 0);
     for scenario in 0..80 {
-        let now_ms = {
-            let t = numbers(&redis.cli(&["TIME"]));
-            (t[0] * 1000 + t[1] / 1000) as u64
-        };
+        let now_ms = redis_ms(&redis);
         let w = now_ms / HOUR_MS;
         // A few bases per algorithm, so that requests of a call share
         // windows (a window read by an earlier request is decided the
@@ -485,12 +489,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
             }
         }
         let mut keys: Vec<String> = Vec::new();
-        let mut args: Vec<String> = ["0", "1", "1000"].map(str::to_owned).to_vec();
-        if troubled {
-            args.extend(["e1", "1,2", ""].map(str::to_owned));
-        } else {
-            args.extend(["", "", ""].map(str::to_owned));
-        }
+        let mut args = call_header(troubled);
         args.push((2 * requests.len()).to_string());
         for copy in ["p", "q"] {
             for (n, request) in requests.iter().enumerate() {
@@ -508,10 +507,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
                 }
                 for (name, c) in request {
                     keys.push(base(copy, name));
-                    args.push(format!(
-                        "{},{},{HOUR_MS},{},{},{},{w},{},{}",
-                        c.algorithm, c.limit, c.limit, c.hits, c.flags, c.fraction, c.pending
-                    ));
+                    args.push(c.text(w));
                     args.push(c.expected.to_string());
                 }
             }
