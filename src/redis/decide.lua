@@ -63,9 +63,13 @@
 -- Reply: per request, its status, then per charge: remaining, reset_ms,
 -- own, total (only when own is 0 or more), delta, or for a short charge
 -- (see `charge_of`) only remaining and delta; then now_ms; then the
--- token. The caller knows how many charges each request has, so no length
--- goes with it: each item costs Redis about 450 instructions to convert
--- and the caller about as many to read (callgrind). status -1: stale, this
+-- token. A request of one short charge (a spread's or a hot key's) that
+-- was admitted as asked (status 0, delta its hits) with remaining 0 or
+-- more is answered by its remaining alone; otherwise its status goes as
+-- -2 - status (-1 stays stale), followed by remaining and delta. The
+-- caller knows how many charges each request has, so no length goes with
+-- it: each item costs Redis about 450 instructions to convert and the
+-- caller about as many to read (callgrind). status -1: stale, this
 -- replica's epoch is below a fence on one of the keys, so nothing was
 -- written and the caller must not count the request (no items follow);
 -- otherwise denied (1) + 2 × lost, lost when an own field was below what
@@ -347,17 +351,24 @@ local function members(out, o, m, used, count, limit, hits, may_deny, reset, own
       remaining = limit - after
     end
     count = count + delta
-    out[o + 1], out[o + 2] = status, remaining
     -- A group's charge is a fixed or sliding window, never a take-back,
-    -- so own is -2 (demand not read) exactly when it is short.
+    -- so own is -2 (demand not read) exactly when it is short; and a
+    -- group's request has one charge, so when short it may be answered
+    -- by its remaining alone (see the reply above).
     if own == -2 then
-      out[o + 3] = delta
-      o = o + 3
+      if status == 0 and remaining >= 0 then
+        out[o + 1] = remaining
+        o = o + 1
+      else
+        out[o + 1], out[o + 2], out[o + 3] = -2 - status, remaining, delta
+        o = o + 3
+      end
     elseif own < 0 then
-      out[o + 3], out[o + 4], out[o + 5] = reset, own, delta
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = status, remaining, reset, own, delta
       o = o + 5
     else
-      out[o + 3], out[o + 4], out[o + 5], out[o + 6] = reset, own, total, delta
+      out[o + 1], out[o + 2], out[o + 3] = status, remaining, reset
+      out[o + 4], out[o + 5], out[o + 6] = own, total, delta
       o = o + 6
     end
   end
@@ -464,15 +475,22 @@ local function plain(ch, base, e, never_deny, times)
   -- The reply's items, written out here as in `members` and the general
   -- path: a function for these lines cost 1.8% of a request's
   -- instructions (callgrind).
-  out[at], out[at + 1] = status, remaining
+  -- This path decides requests of one charge: a short one admitted with
+  -- room to spare is answered by its remaining alone (see the reply).
   if ch.short then
-    out[at + 2] = delta
-    nout = at + 2
+    if status == 0 and remaining >= 0 then
+      out[at] = remaining
+      nout = at
+    else
+      out[at], out[at + 1], out[at + 2] = -2 - status, remaining, delta
+      nout = at + 2
+    end
   elseif p_own < 0 then
-    out[at + 2], out[at + 3], out[at + 4] = reset, p_own, delta
+    out[at], out[at + 1], out[at + 2], out[at + 3], out[at + 4] = status, remaining, reset, p_own, delta
     nout = at + 4
   else
-    out[at + 2], out[at + 3], out[at + 4], out[at + 5] = reset, p_own, p_total, delta
+    out[at], out[at + 1], out[at + 2] = status, remaining, reset
+    out[at + 3], out[at + 4], out[at + 5] = p_own, p_total, delta
     nout = at + 5
   end
   local decided = 1
@@ -676,8 +694,10 @@ for _ = 1, ARGV[7] + 0 do
           return extra
         end
       end
-      -- Where this request's reply starts (its status).
+      -- Where this request's reply starts, and its status once decided
+      -- (-1 stale; the reply's first item may be its remaining instead).
       local at = nout + 1
+      local status = -1
       serial = serial + 1
       ntouched, nmeta, nwr = 0, 0, 0
       local call_id = ''
@@ -962,7 +982,7 @@ for _ = 1, ARGV[7] + 0 do
           end
         end
 
-        local status = 0
+        status = 0
         if denied then status = 1 end
         if lost then status = status + 2 end
         out[nout + 1] = status
@@ -978,22 +998,31 @@ for _ = 1, ARGV[7] + 0 do
           local delta = r[b + 8]
           if denied then delta = 0 end
           local own = r[b + 6]
-          out[nout + 1] = remaining
-          if charges[ARGV[cs + cstep * (i - 1)]].short then
-            out[nout + 2] = delta
+          local ch = charges[ARGV[cs + cstep * (i - 1)]]
+          if ch.short and n == 1 then
+            -- A request of one short charge: its remaining alone, in place
+            -- of its status, when admitted as asked with room to spare.
+            if status == 0 and remaining >= 0 and delta == ch.hits then
+              out[nout] = remaining
+            else
+              out[nout], out[nout + 1], out[nout + 2] = -2 - status, remaining, delta
+              nout = nout + 2
+            end
+          elseif ch.short then
+            out[nout + 1], out[nout + 2] = remaining, delta
             nout = nout + 2
           elseif own < 0 then
-            out[nout + 2], out[nout + 3], out[nout + 4] = r[b + 5], own, delta
+            out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = remaining, r[b + 5], own, delta
             nout = nout + 4
           else
-            out[nout + 2], out[nout + 3], out[nout + 4], out[nout + 5] = r[b + 5], own, r[b + 7], delta
+            out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], own
+            out[nout + 4], out[nout + 5] = r[b + 7], delta
             nout = nout + 5
           end
         end
       end
       if member == 1 and times > 1 then
         local ch = nc == 1 and charges[ARGV[cs]]
-        local status = out[at]
         if ch and ch.window_only and (status == 0 or status == 1) then
           -- The members of a group after its first, which was just
           -- decided: one fixed or sliding window charge, not a refund or a

@@ -160,7 +160,11 @@ pub enum Answer {
     /// is the time to the end of the current window, of `unit_ms`, on
     /// Redis's time, and no demand was read
     /// ([`DEMAND_NOT_READ`](crate::domain::backend::DEMAND_NOT_READ)).
-    Short { unit_ms: u64 },
+    /// When it is a request's only charge and was admitted as asked
+    /// (status 0, delta `hits`) with `remaining` 0 or more, the script
+    /// sends its remaining alone; otherwise `-2 - status`, remaining and
+    /// delta (or -1, stale).
+    Short { unit_ms: u64, hits: i64 },
 }
 
 /// decide.lua's arguments for one request ([`DecideArgs`]). The batch
@@ -228,6 +232,7 @@ pub fn decide_args(prefix: &str, batch: &Batch, call: &DecideCall) -> DecideArgs
             if c.spec.algorithm == Algorithm::FixedWindow && pc.demand_known && !call.pinned {
                 Answer::Short {
                     unit_ms: c.spec.unit.millis(),
+                    hits: i64::try_from(c.hits.min(MAX_HITS)).unwrap_or(i64::MAX),
                 }
             } else {
                 Answer::Full

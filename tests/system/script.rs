@@ -137,27 +137,41 @@ fn numbers(text: &str) -> Vec<i64> {
     text.lines().filter_map(|l| l.trim().parse().ok()).collect()
 }
 
-/// Whether the script answers a charge short (remaining and delta only):
-/// a fixed window whose previous window's demand the caller holds (flag
-/// 8), not a take-back (flag 16).
-fn short(c: &Charge) -> bool {
-    c.algorithm == 1 && c.flags & 8 != 0 && c.flags & 16 == 0
+/// Its hits when the script answers a charge short (remaining and delta
+/// only): a fixed window whose previous window's demand the caller holds
+/// (flag 8), not a take-back (flag 16).
+fn short(c: &Charge) -> Option<u64> {
+    (c.algorithm == 1 && c.flags & 8 != 0 && c.flags & 16 == 0).then_some(c.hits)
 }
 
 /// Each request's reply (`status, items...`) after splitting a flat
 /// script reply, `requests[i]` telling for request i's charges whether
-/// each is short: per charge remaining, reset, own, total only when own is
-/// 0 or more, and delta, or remaining and delta when short; none when
-/// stale (-1). The call's time and token are left out.
-fn replies(flat: &[i64], requests: &[Vec<bool>]) -> Vec<Vec<i64>> {
+/// each is short (its hits): per charge remaining, reset, own, total only
+/// when own is 0 or more, and delta, or remaining and delta when short;
+/// none when stale (-1). A request of one short charge may be answered by
+/// its remaining alone (admitted as asked), or by `-2 - status`, remaining
+/// and delta: both are read back to `status, remaining, delta` here. The
+/// call's time and token are left out.
+fn replies(flat: &[i64], requests: &[Vec<Option<u64>>]) -> Vec<Vec<i64>> {
     let mut out = Vec::new();
     let mut at = 0;
     for shorts in requests {
         let start = at;
         at += 1;
+        if let [Some(hits)] = shorts.as_slice() {
+            match flat[start] {
+                -1 => out.push(vec![-1]),
+                v if v >= 0 => out.push(vec![0, v, *hits as i64]),
+                v => {
+                    out.push(vec![-2 - v, flat[at], flat[at + 1]]);
+                    at += 2;
+                }
+            }
+            continue;
+        }
         if flat[start] != -1 {
-            for &s in shorts {
-                if s {
+            for s in shorts {
+                if s.is_some() {
                     at += 2;
                 } else {
                     let own = flat[at + 2];
@@ -523,7 +537,7 @@ fn a_window_of_counts_only_answers_as_the_general_path_does() {
         assert!(!flat.is_empty(), "scenario {scenario}: script error: {out}");
         // Each request's charges, once per answer it stands for, in both
         // copies.
-        let per: Vec<Vec<bool>> = requests
+        let per: Vec<Vec<Option<u64>>> = requests
             .iter()
             .zip(&times)
             .flat_map(|(r, &t)| std::iter::repeat_n(r.iter().map(|(_, c)| short(c)).collect(), t))
