@@ -31,7 +31,7 @@
 --     <fraction>,<pending>": algorithm 1 fixed window, 2 sliding window,
 --       3 sliding log, 4 token bucket; flags bit 0 refund; bits 1-2 role
 --       (0 enforce, 1 shadow, 2 quota); bit 3: the caller holds the demand
---       of the previous window, so a fixed window need not read it; bit 4:
+--       of the demand window, so a fixed window need not read it; bit 4:
 --       a take-back, decided in window expected_w rather than the current
 --       one; bit 5: this replica may prove itself in the window (it
 --       granted nothing there Redis lacks); expected_w: the window of the
@@ -76,7 +76,9 @@
 -- the replica knew it to be (Redis restarted empty or failed over): the
 -- replica re-asserts its counts. remaining: -1 when the charge is over its
 -- limit. own/total: this replica's count and the key's total in the
--- previous (complete) window, for demand shares (own -1 when some replica
+-- charge's demand window (complete: the previous window, or for a fixed
+-- window of a second or less the last one before its block of 5, see
+-- `charge_of`), for demand shares (own -1 when some replica
 -- decided off Redis in it, -2 when the script did not read it: the caller
 -- holds it already; either way no total follows). delta: what the charge
 -- changed this replica's field by (0 when denied).
@@ -192,6 +194,23 @@ local function spread(unit)
   return draw % span
 end
 
+-- When a new hash of window `w` of a fixed or sliding window charge
+-- expires, before the spread: the window's end plus the margin (a sliding
+-- window's one unit later, as the next window weighs it); a demand
+-- window (the last of a block, see `charge_of`) no earlier than the end
+-- of the block that reads it, so every replica finds it there whatever
+-- its margin.
+local function expiry(ch, w)
+  local unit = ch.unit
+  local at = (w + 1) * unit + margin
+  if ch.algo == 2 then
+    at = at + unit
+  elseif ch.block > 1 and (w + 1) % ch.block == 0 and at < (w + 1 + ch.block) * unit then
+    at = (w + 1 + ch.block) * unit
+  end
+  return at
+end
+
 -- The indices of a comma-separated list other than this replica's, and
 -- the same as a set. Usually empty: then no iterator or table is made.
 local EMPTY = {set = {}}
@@ -238,12 +257,17 @@ local function charge_of(s)
   -- presumption: what the short path and a group's members take.
   ch.window_only = (ch.algo == 1 or ch.algo == 2) and not ch.refund and not ch.pinned
     and ch.fraction <= 0
-  -- A fixed window whose previous window's demand the caller holds, not a
+  -- A fixed window whose demand window's demand the caller holds, not a
   -- take-back: its reply is only remaining and delta, since the caller
   -- knows the rest (reset is the time to the end of the current window,
   -- and no demand is read). Two items fewer: each costs Redis about 450
   -- instructions to convert, and most of a busy key's requests are such.
   ch.short = ch.algo == 1 and ch.demand_known and not ch.pinned
+  -- The demand block (LimitSpec::demand_window): a fixed window of a
+  -- second or less takes its demand shares from the last window before
+  -- its block of 5, read once per block rather than once per window; that
+  -- window's hash is kept until its block ends (see `expiry`).
+  ch.block = (ch.algo == 1 and ch.unit <= 1000) and 5 or 1
   charges[s] = ch
   return ch
 end
@@ -413,11 +437,13 @@ local function plain(ch, base, e, never_deny, times)
     end
   end
   local algo = ch.algo
-  -- The previous window: its total, this replica's count in it, its
-  -- fence, and whether some replica decided off Redis in it.
+  -- The previous window (a fixed window's demand window): its total,
+  -- this replica's count in it, its fence, and whether some replica
+  -- decided off Redis in it.
   local p_total, p_own, p_fence, p_troubled = 0, 0, 0, false
   if algo == 2 or not ch.demand_known then
-    local pkey = base .. '@' .. (strings[w - 1] or str(w - 1))
+    local pw = w - w % ch.block - 1
+    local pkey = base .. '@' .. (strings[pw] or str(pw))
     local prev = windows[pkey]
     if not prev then
       local pflat = rcall('HGETALL', pkey)
@@ -506,9 +532,7 @@ local function plain(ch, base, e, never_deny, times)
   if delta ~= 0 then
     rcall('HINCRBY', key, me, strings[delta] or str(delta))
     if nflat == 0 then
-      local expire_at = (w + 1) * unit + margin
-      if algo == 2 then expire_at = expire_at + unit end
-      rcall('PEXPIREAT', key, format('%d', expire_at + spread(unit)))
+      rcall('PEXPIREAT', key, format('%d', expiry(ch, w) + spread(unit)))
     end
   end
   return decided
@@ -738,14 +762,18 @@ for _ = 1, ARGV[7] + 0 do
           if cur.fence > epoch then stale = true end
           if expected >= 0 and w == expected_w and cur.own < expected then lost = true end
           local weighted = 0
-          -- The previous window is complete, so every replica reads the same
-          -- totals for it: demand shares taken from it add up to exactly 1. A
+          -- The previous window (or a fixed window's demand window) is
+          -- complete, so every replica reads the same totals for it: demand
+          -- shares taken from it add up to exactly 1. A
           -- fixed window reads it only for those shares, so not when the caller
           -- has them already (it then gets no demand back, and keeps its own).
           local prev = nil
           if algo == 2 or not ch.demand_known then
             -- Only read here (this path never changes it), so no backup.
-            local pkey = base .. '@' .. (strings[w - 1] or str(w - 1))
+            -- A sliding window's block is 1: its demand window is the
+            -- previous one, which it weighs.
+            local pw = w - w % ch.block - 1
+            local pkey = base .. '@' .. (strings[pw] or str(pw))
             prev = windows[pkey] or read_window(pkey)
           end
           if algo == 2 then
@@ -755,8 +783,7 @@ for _ = 1, ARGV[7] + 0 do
             end
           end
           -- For a hash this call makes (the window's, or its announcement's).
-          local expire_at = (w + 1) * unit + margin + spread(unit)
-          if algo == 2 then expire_at = expire_at + unit end
+          local expire_at = expiry(ch, w) + spread(unit)
           -- What the other replicas off Redis still hold of their leases, or may
           -- hold unseen, counts as used here, so it is not granted twice (a
           -- presumption only after a failure, or to prove a window).

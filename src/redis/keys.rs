@@ -26,7 +26,9 @@
 //!   ends (sliding: one unit longer, as the next window reads it) plus
 //!   `redis_expiry_margin_ms`, and up to min(unit, margin) more, drawn per
 //!   hash so that a window's hashes do not all expire at once (see
-//!   decide.lua); a log until its newest member leaves plus the margin; a
+//!   decide.lua); a per-second fixed window's demand window (the last of
+//!   each block of five, whose demand shares the block's decisions take)
+//!   at least until its block ends; a log until its newest member leaves plus the margin; a
 //!   bucket until it would be full again plus the margin.
 //! - **Replay is idempotent by construction.** Each replica writes only its
 //!   own field, so recovery is "set my field to my count", which can be

@@ -137,7 +137,13 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
         redis.call('HSET', base, fence, epoch)
       end
     end
-    redis.call('PEXPIREAT', key, string.format('%d', life + spread(unit)))
+    -- A per-second fixed window's demand window (the last of a block of
+    -- 5, see decide.lua's `expiry`) lives until its block ends.
+    local expire = life
+    if algo == 1 and unit <= 1000 and (w + 1) % 5 == 0 then
+      expire = math.max(life, (w + 6) * unit)
+    end
+    redis.call('PEXPIREAT', key, string.format('%d', expire + spread(unit)))
     written = written + 1
   end
 end

@@ -100,6 +100,10 @@ fn declared_windows(
     match charge.spec.algorithm {
         Algorithm::SlidingLog => {}
         Algorithm::FixedWindow if demand_known => out.push(at(w)),
+        Algorithm::FixedWindow => {
+            out.push(at(w));
+            out.push(at(charge.spec.demand_window(w)));
+        }
         _ => {
             out.push(at(w));
             out.push(at(w.saturating_sub(1)));

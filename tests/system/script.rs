@@ -709,3 +709,118 @@ fn the_window_hashes_a_call_makes_expire_spread_over_a_unit_not_at_one_instant()
     );
     expire_spread(&redis, &keys, w, (w + 1) * unit + margin, span, "replayed");
 }
+
+/// Waits until Redis's time is in the first 600 ms of a second whose index
+/// `pick` accepts (a few seconds at most); that index.
+fn second_where(redis: &RedisServer, pick: impl Fn(u64) -> bool) -> u64 {
+    for _ in 0..80 {
+        let now = redis_ms(redis);
+        if pick(now / 1000) && now % 1000 < 600 {
+            return now / 1000;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("Redis's clock never reached a second of the kind asked for");
+}
+
+#[test]
+fn a_per_second_fixed_window_takes_its_demand_from_the_window_before_its_block_and_keeps_it() {
+    // A per-second fixed window's decisions in windows 5k to 5k + 4 take
+    // their demand shares from window 5k - 1 (the replica then holds them
+    // for the whole block), on the short path and the general path alike.
+    let dir = test_dir("script-demand-block");
+    let redis = RedisServer::start("redis", &dir);
+    let sha = load(&redis, DECIDE_LUA);
+    let replay = load(&redis, REPLAY_LUA);
+    // A window other than the first of its block: its demand window is
+    // not the previous one.
+    let w = second_where(&redis, |w| w % 5 != 0);
+    let d = w - w % 5 - 1;
+    let keys: Vec<String> = ["b{a}", "b{b}", "b{c}"].map(str::to_owned).to_vec();
+    for key in &keys {
+        redis.cli(&["HSET", &format!("{key}@{}", w - 1), "0", "7", "1", "3"]);
+        redis.cli(&["HSET", &format!("{key}@{d}"), "0", "2", "1", "6"]);
+    }
+    // Demand unknown (no flag 8): one request of one charge, one of two.
+    let charge = "1,100,1000,100,1,0,0,0,0";
+    let mut args = call_header(false);
+    args.extend(
+        [
+            "2", "1,1,0", charge, "-1", "2,2,0", charge, "-1", charge, "-1",
+        ]
+        .map(str::to_owned),
+    );
+    args.push("7".to_owned());
+    let out = evalsha(&redis, &sha, &keys, &args);
+    let flat = numbers(&out);
+    assert!(flat.len() > 2, "script error: {out}");
+    assert_eq!(
+        flat[flat.len() - 2] as u64 / 1000,
+        w,
+        "decided in window {w}: {out}"
+    );
+    let r = replies(&flat, &[vec![None], vec![None, None]]);
+    // status, then per charge remaining, reset, own, total, delta.
+    assert_eq!((r[0][0], r[0][3], r[0][4]), (0, 2, 8), "short path: {out}");
+    assert_eq!(
+        (r[1][0], r[1][3], r[1][4]),
+        (0, 2, 8),
+        "general path: {out}"
+    );
+    assert_eq!(
+        (r[1][8], r[1][9]),
+        (2, 8),
+        "general path, second charge: {out}"
+    );
+
+    // A demand window's hash lives until its block ends, past a margin
+    // shorter than the block (500 ms here): made by a decision (both
+    // paths) or by a replay. Any other window's: its end plus the margin
+    // plus a spread below min(unit, margin).
+    let w = second_where(&redis, |w| w % 5 == 4);
+    let keys: Vec<String> = ["c{a}", "c{b}", "c{c}"].map(str::to_owned).to_vec();
+    let mut args: Vec<String> = ["0", "1", "500", "", "", ""].map(str::to_owned).to_vec();
+    let known = "1,100,1000,100,1,8,0,0,0";
+    args.extend(["2", "1,1,0", known, "-1", "2,2,0", known, "-1", known, "-1"].map(str::to_owned));
+    args.push("8".to_owned());
+    let out = evalsha(&redis, &sha, &keys, &args);
+    let flat = numbers(&out);
+    assert!(flat.len() > 2, "script error: {out}");
+    assert_eq!(
+        flat[flat.len() - 2] as u64 / 1000,
+        w,
+        "decided in window {w}: {out}"
+    );
+    let end = (w as i64 + 6) * 1000;
+    for key in &keys {
+        let at = expire_time(&redis, &format!("{key}@{w}"));
+        assert!(
+            (end..end + 500).contains(&at),
+            "{key}@{w} expires at {at}, not in [{end}, {})",
+            end + 500
+        );
+    }
+    let keys: Vec<String> = ["r{a}", "r{b}"].map(str::to_owned).to_vec();
+    let mut args: Vec<String> = ["0", "1", "500", "boot"].map(str::to_owned).to_vec();
+    for window in [w + 5, w + 1] {
+        args.extend(["1", "1", "1000", &window.to_string(), "1", "100", "100"].map(str::to_owned));
+    }
+    args.push("9".to_owned());
+    let out = evalsha(&redis, &replay, &keys, &args);
+    assert_eq!(
+        numbers(&out).first(),
+        Some(&2),
+        "both entries written: {out}"
+    );
+    let (ref_end, next_end) = ((w as i64 + 11) * 1000, (w as i64 + 2) * 1000 + 500);
+    let at = expire_time(&redis, &format!("r{{a}}@{}", w + 5));
+    assert!(
+        (ref_end..ref_end + 500).contains(&at),
+        "replayed demand window expires at {at}, not from {ref_end}"
+    );
+    let at = expire_time(&redis, &format!("r{{b}}@{}", w + 1));
+    assert!(
+        (next_end..next_end + 500).contains(&at),
+        "replayed window expires at {at}, not from {next_end}"
+    );
+}

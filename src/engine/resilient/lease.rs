@@ -9,8 +9,10 @@
 //!   replica that suddenly gets traffic is not starved. Summed over replicas
 //!   whose `d` add up to 1, the shares add up to exactly 1. Their `d` add
 //!   up to 1 only when they come from one window that every replica decided
-//!   on Redis: the ledger uses a demand only from the window just before its
-//!   latest reply, and the script reports none for a window in which some
+//!   on Redis: the ledger uses a demand only from the demand window of its
+//!   latest reply (the previous window, or for a fixed window of a second
+//!   or less the last one before its block of five, the same for every
+//!   replica), and the script reports none for a window in which some
 //!   replica decided off Redis. Without demand data the share is `1/N`.
 //!
 //! Local decisions run the same algorithm as Redis on the lease, on the

@@ -155,6 +155,6 @@ fn inputs(e: &super::Entry, window: u64) -> CallInputs {
         settled: !e.suspect && pending == 0 && !w.is_some_and(|w| w.unsure),
         demand_known: e
             .demand
-            .is_some_and(|(_, dw)| dw.saturating_add(1) == window),
+            .is_some_and(|(_, dw)| dw == e.spec.demand_window(window)),
     }
 }

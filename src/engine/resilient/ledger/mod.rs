@@ -124,15 +124,15 @@ struct Entry {
 }
 
 impl Entry {
-    /// The demand share, only when it describes the window just before the
-    /// one this replica last heard about: the replicas' shares add up to 1
-    /// only if they all come from one window. A window in which some
+    /// The demand share, only when it describes the demand window
+    /// ([`LimitSpec::demand_window`]) of the one this replica last heard about: the
+    /// replicas' shares add up to 1 only if they all come from one window. A window in which some
     /// replica decided off Redis reports no demand (`decide.lua`), so a
     /// replica that heard from Redis after one has none, rather than an
     /// older one its peers may no longer share; it leases `1/N`.
     fn demand_share(&self) -> Option<f64> {
         self.demand
-            .filter(|(_, w)| w.saturating_add(1) == self.reply_window)
+            .filter(|(_, w)| *w == self.spec.demand_window(self.reply_window))
             .and_then(|(d, _)| d)
     }
 
@@ -447,16 +447,17 @@ impl Ledger {
             }
             if window >= e.reply_window {
                 e.reply_window = window;
-                let read = window.saturating_sub(1);
+                let read = spec.demand_window(window);
                 if item.own >= 0 && item.total > 0 {
                     let d = (item.own.min(item.total) as f64) / (item.total as f64);
                     e.demand = Some((Some(d), read));
                 } else if item.own != DEMAND_NOT_READ && e.demand.is_none_or(|(_, w)| w != read) {
                     // Read, and no share in it: reading it again in this
-                    // window would find none either (a complete window only
-                    // gains the marks of decisions off Redis, or expires),
-                    // so later calls skip the read. Before, every call on a
-                    // key idle in the previous window read it again.
+                    // window (or block) would find none either (a complete
+                    // window only gains the marks of decisions off Redis,
+                    // or expires), so later calls skip the read. Before,
+                    // every call on a key idle in the previous window read
+                    // it again.
                     e.demand = Some((None, read));
                 }
             }

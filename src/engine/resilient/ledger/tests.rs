@@ -227,23 +227,42 @@ fn a_late_reply_does_not_bring_back_an_older_remainder() {
 }
 
 #[test]
-fn demand_is_used_only_from_the_window_before_the_last_reply() {
+fn demand_is_used_only_from_the_demand_window_of_the_last_reply() {
     let l = Ledger::new(10);
+    // A per-second fixed window: windows 5-9 take window 4's demand,
+    // windows 10-14 window 9's.
     let (k, s) = key("d");
     // A reply in window 5 about window 4: 30 of 120.
     l.record_redis(&k, &s, 5_100, 1_000, &item(1, 90, 30, 120));
     assert_eq!(l.lease_inputs(&k, &s, 5_200).0, Some(0.25));
-    // A reply in window 6 whose previous window had a replica off Redis
+    // Later replies in its block that did not read it keep it, to its end.
+    l.record_redis(&k, &s, 9_900, 1_000, &item(1, 90, DEMAND_NOT_READ, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 9_950).0, Some(0.25));
+    // A reply in window 10 whose demand window (9) had a replica off Redis
     // (no demand reported): the older share is not mixed with the peers'
     // newer ones.
-    l.record_redis(&k, &s, 6_100, 1_000, &item(1, 90, -1, 0));
-    assert_eq!(l.lease_inputs(&k, &s, 6_200).0, None);
+    l.record_redis(&k, &s, 10_100, 1_000, &item(1, 90, -1, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 10_200).0, None);
     // A late reply from window 5 changes nothing.
     l.record_redis(&k, &s, 5_900, 1_000, &item(1, 90, 50, 100));
-    assert_eq!(l.lease_inputs(&k, &s, 6_200).0, None);
+    assert_eq!(l.lease_inputs(&k, &s, 10_200).0, None);
     // A complete window again.
-    l.record_redis(&k, &s, 7_100, 1_000, &item(1, 90, 40, 100));
-    assert_eq!(l.lease_inputs(&k, &s, 7_200).0, Some(0.4));
+    l.record_redis(&k, &s, 15_100, 1_000, &item(1, 90, 40, 100));
+    assert_eq!(l.lease_inputs(&k, &s, 15_200).0, Some(0.4));
+
+    // A minute rule's block is one window: window 6 takes window 5's.
+    let spec = LimitSpec::fixed(100, Unit::Minute);
+    let k = CounterKey::new("d", [("k", "minute")], &spec);
+    l.record_redis(&k, &spec, 5 * 60_000 + 100, 1_000, &item(1, 90, 30, 120));
+    assert_eq!(l.lease_inputs(&k, &spec, 5 * 60_000 + 200).0, Some(0.25));
+    l.record_redis(
+        &k,
+        &spec,
+        6 * 60_000 + 100,
+        1_000,
+        &item(1, 90, DEMAND_NOT_READ, 0),
+    );
+    assert_eq!(l.lease_inputs(&k, &spec, 6 * 60_000 + 200).0, None);
 }
 
 #[test]
@@ -264,41 +283,45 @@ fn own_local_grants_not_replayed_yet_count_on_the_redis_path() {
 }
 
 #[test]
-fn the_previous_windows_demand_is_known_once_a_reply_in_the_window_brought_it() {
+fn the_demand_windows_demand_is_known_once_a_reply_in_its_block_brought_it() {
     let l = Ledger::new(10);
+    // A per-second fixed window: windows 5-9 take window 4's demand,
+    // windows 10-14 window 9's, 15-19 window 14's.
     let (k, s) = key("known");
     assert!(!l.call_inputs(&k, 5).demand_known, "nothing heard yet");
     // The first reply in window 5 brings window 4's demand: later calls in
-    // window 5 need not have the script read window 4 again.
+    // windows 5 to 9 need not have the script read window 4 again.
     l.record_redis(&k, &s, 5_100, 1_000, &item(1, 90, 30, 120));
-    assert!(l.call_inputs(&k, 5).demand_known);
-    // A reply that did not read it (own -1) keeps it for window 5.
-    l.record_redis(&k, &s, 5_200, 1_000, &item(1, 89, -1, 0));
-    assert!(l.call_inputs(&k, 5).demand_known);
-    assert_eq!(l.lease_inputs(&k, &s, 5_300).0, Some(0.25));
-    // Window 6 needs window 5's, which no reply has brought yet.
-    assert!(!l.call_inputs(&k, 6).demand_known);
-    // A reply in window 6 that did not read window 5 says nothing of it.
-    l.record_redis(&k, &s, 6_100, 1_000, &item(1, 88, DEMAND_NOT_READ, 0));
-    assert!(!l.call_inputs(&k, 6).demand_known);
+    for w in 5..10 {
+        assert!(l.call_inputs(&k, w).demand_known, "window {w}");
+    }
+    // A reply that did not read it keeps it for the block.
+    l.record_redis(&k, &s, 7_200, 1_000, &item(1, 89, DEMAND_NOT_READ, 0));
+    assert!(l.call_inputs(&k, 8).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 8_300).0, Some(0.25));
+    // Window 10 needs window 9's, which no reply has brought yet.
+    assert!(!l.call_inputs(&k, 10).demand_known);
+    // A reply in window 10 that did not read window 9 says nothing of it.
+    l.record_redis(&k, &s, 10_100, 1_000, &item(1, 88, DEMAND_NOT_READ, 0));
+    assert!(!l.call_inputs(&k, 10).demand_known);
     assert_eq!(
-        l.lease_inputs(&k, &s, 6_200).0,
+        l.lease_inputs(&k, &s, 10_200).0,
         None,
-        "no share for window 6"
+        "no share for window 10"
     );
     // One that read it empty (the key was idle): known, with no share, so
-    // the calls after it in window 6 skip the read.
-    l.record_redis(&k, &s, 6_300, 1_000, &item(1, 87, 0, 0));
-    assert!(l.call_inputs(&k, 6).demand_known);
-    assert_eq!(l.lease_inputs(&k, &s, 6_400).0, None);
+    // the calls after it in its block skip the read.
+    l.record_redis(&k, &s, 10_300, 1_000, &item(1, 87, 0, 0));
+    assert!(l.call_inputs(&k, 14).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 10_400).0, None);
     // Read with some replica off Redis in it: the same.
-    l.record_redis(&k, &s, 7_100, 1_000, &item(1, 99, DEMAND_TROUBLED, 0));
-    assert!(l.call_inputs(&k, 7).demand_known);
-    assert_eq!(l.lease_inputs(&k, &s, 7_200).0, None);
+    l.record_redis(&k, &s, 15_100, 1_000, &item(1, 99, DEMAND_TROUBLED, 0));
+    assert!(l.call_inputs(&k, 15).demand_known);
+    assert_eq!(l.lease_inputs(&k, &s, 15_200).0, None);
     // A share once read is not undone by a later reply without one.
-    l.record_redis(&k, &s, 8_100, 1_000, &item(1, 90, 10, 40));
-    l.record_redis(&k, &s, 8_200, 1_000, &item(1, 89, DEMAND_TROUBLED, 0));
-    assert_eq!(l.lease_inputs(&k, &s, 8_300).0, Some(0.25));
+    l.record_redis(&k, &s, 20_100, 1_000, &item(1, 90, 10, 40));
+    l.record_redis(&k, &s, 23_200, 1_000, &item(1, 89, DEMAND_TROUBLED, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 23_300).0, Some(0.25));
 }
 
 #[test]
