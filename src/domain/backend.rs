@@ -13,11 +13,14 @@ use crate::domain::Batch;
 use crate::key::CounterKey;
 use crate::limit::LimitSpec;
 
-/// [`RawItem::own`]: the previous window was read and some replica decided
-/// off Redis in it, so it gives no demand share.
+/// [`RawItem::own`]: the demand window (the previous one, or a demand
+/// block's, see [`LimitSpec::demand_window`]) was read and some replica
+/// decided off Redis in it, so it gives no demand share; or, in a demand
+/// block, the current window has such marks, which voids the share the
+/// replica holds.
 pub const DEMAND_TROUBLED: i64 = -1;
 
-/// [`RawItem::own`]: the call did not read the previous window.
+/// [`RawItem::own`]: the call did not read the demand window.
 pub const DEMAND_NOT_READ: i64 = -2;
 
 /// One charge's part of a decision reply.
@@ -26,8 +29,8 @@ pub struct RawItem {
     pub over: bool,
     pub remaining: u64,
     pub reset_ms: u64,
-    /// This replica's count in the key's previous (complete) window, for
-    /// its demand share: [`DEMAND_TROUBLED`] when some replica decided off
+    /// This replica's count in the key's demand window (complete: the
+    /// previous window, or a demand block's), for its demand share: [`DEMAND_TROUBLED`] when some replica decided off
     /// Redis in that window, [`DEMAND_NOT_READ`] when the call did not read
     /// it (the replica holds it already, or the algorithm keeps none).
     pub own: i64,

@@ -182,12 +182,18 @@ impl LimitSpec {
     /// the previous window anyway, for its weight, and a bucket's
     /// consumption windows keep it too.
     pub fn demand_window(&self, window: u64) -> u64 {
-        let block = if self.algorithm == Algorithm::FixedWindow && self.unit.millis() <= 1_000 {
+        let block = self.demand_block();
+        (window - window % block).saturating_sub(1)
+    }
+
+    /// Windows per demand block: [`DEMAND_BLOCK`] for a fixed window of a
+    /// second or less, else 1 (see [`Self::demand_window`]).
+    pub fn demand_block(&self) -> u64 {
+        if self.algorithm == Algorithm::FixedWindow && self.unit.millis() <= 1_000 {
             DEMAND_BLOCK
         } else {
             1
-        };
-        (window - window % block).saturating_sub(1)
+        }
     }
 }
 

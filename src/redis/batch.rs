@@ -791,7 +791,10 @@ fn top_up_mixed(queue: &mut Vec<Queued>, busy: &mut Vec<u16>, batch: &mut Vec<Qu
 /// charge `remaining, reset, own, total, delta` with `total` only when
 /// `own` is 0 or more (or `remaining, delta` for a short one, see
 /// [`Answer`]; a request of one short charge: its remaining alone, or
-/// `-2 - status`, remaining and delta), then the call's Redis time: split
+/// `-2 - status`, remaining and delta). A status with 4 (void: a short
+/// charge's demand share is void, `own` -1) answers every charge in full
+/// (for a request of one short charge, `-2 - status` is then -6 or
+/// below). Then the call's Redis time: split
 /// into one reply per request (`answers[i]` for request i's charges), each
 /// in the shape [`super::scripts::decode_decide`] reads, `{status, now_ms}`
 /// then five items per charge (`total` 0 where the script left it out,
@@ -811,7 +814,12 @@ fn split(flat: &[i64], answers: &[Vec<Answer>]) -> Result<Vec<Vec<i64>>, CallErr
         let (&first, tail) = rest.split_first().ok_or_else(short)?;
         rest = tail;
         let mut reply = Vec::with_capacity(2 + 5 * request.len());
-        if let [Answer::Short { unit_ms, hits }] = request.as_slice() {
+        // A status with 4 (void): every charge answered in full. A request
+        // of one short charge then goes as `-2 - status`, -6 or below (0
+        // or more is its remaining).
+        let one_short = matches!(request.as_slice(), [Answer::Short { .. }]);
+        let void = if one_short { first <= -6 } else { first >= 4 };
+        if let ([Answer::Short { unit_ms, hits }], false) = (request.as_slice(), void) {
             if first >= 0 {
                 // Admitted as asked, with `first` remaining.
                 reply.extend_from_slice(&[0, now, first, reset(*unit_ms), DEMAND_NOT_READ, 0]);
@@ -830,12 +838,18 @@ fn split(flat: &[i64], answers: &[Vec<Answer>]) -> Result<Vec<Vec<i64>>, CallErr
             out.push(reply);
             continue;
         }
-        let status = first;
+        // A request of one short charge answered in full goes as
+        // `-2 - status`.
+        let status = match (one_short, void) {
+            (true, true) => (-2 - first) & 3,
+            (false, true) => first & 3,
+            _ => first,
+        };
         reply.push(status);
         reply.push(now);
         if status != -1 {
             for answer in request {
-                if let Answer::Short { unit_ms, .. } = *answer {
+                if let (Answer::Short { unit_ms, .. }, false) = (*answer, void) {
                     let [remaining, delta, tail @ ..] = rest else {
                         return Err(short());
                     };
@@ -1103,6 +1117,36 @@ mod tests {
         // A short answer missing its delta, alone and beside a full one.
         assert!(split(&[-2, 7, 5_300], &[vec![second]]).is_err());
         assert!(split(&[0, 7, 5_300], &[vec![second, Answer::Full]]).is_err());
+    }
+
+    #[test]
+    fn a_void_request_is_answered_in_full() {
+        // Status + 4 (void): a short charge's current window has some
+        // replica's decisions off Redis, so every charge of its request
+        // comes in full, own -1 where the share is void. A request of one
+        // short charge admitted (-6), then one denied and lost (-9), then
+        // two short charges, the second void, admitted (4).
+        let second = Answer::Short {
+            unit_ms: 1_000,
+            hits: 1,
+        };
+        let flat = [
+            -6, 7, 700, -1, 1, //
+            -9, -1, 700, -1, 0, //
+            4, 5, 700, -2, 1, 3, 700, -1, 1, //
+            5_300,
+        ];
+        let answers = vec![vec![second], vec![second], vec![second, second]];
+        assert_eq!(
+            split(&flat, &answers).ok(),
+            Some(vec![
+                vec![0, 5_300, 7, 700, -1, 0, 1],
+                vec![3, 5_300, -1, 700, -1, 0, 0],
+                vec![0, 5_300, 5, 700, -2, 0, 1, 3, 700, -1, 0, 1],
+            ])
+        );
+        // Without the void status, the same items read short run over.
+        assert!(split(&[-2, 7, 700, -1, 1, 5_300], &[vec![second]]).is_err());
     }
 
     /// A queued request on `key` with charge string `charge`, its

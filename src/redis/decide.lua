@@ -66,15 +66,20 @@
 -- token. A request of one short charge (a spread's or a hot key's) that
 -- was admitted as asked (status 0, delta its hits) with remaining 0 or
 -- more is answered by its remaining alone; otherwise its status goes as
--- -2 - status (-1 stays stale), followed by remaining and delta. The
+-- -2 - status (-1 stays stale), followed by remaining and delta, or when
+-- the status has 4 (void, below) by the full form. The
 -- caller knows how many charges each request has, so no length goes with
 -- it: each item costs Redis about 450 instructions to convert and the
 -- caller about as many to read (callgrind). status -1: stale, this
 -- replica's epoch is below a fence on one of the keys, so nothing was
 -- written and the caller must not count the request (no items follow);
--- otherwise denied (1) + 2 × lost, lost when an own field was below what
--- the replica knew it to be (Redis restarted empty or failed over): the
--- replica re-asserts its counts. remaining: -1 when the charge is over its
+-- otherwise denied (1) + 2 × lost + 4 × void, lost when an own field was
+-- below what the replica knew it to be (Redis restarted empty or failed
+-- over): the replica re-asserts its counts; void when a short charge's
+-- current window carries some replica's decisions off Redis (a demand
+-- block's share the caller holds is void, see `own` in the main loop):
+-- then every charge of the request is answered in the full form, own -1
+-- for such a charge and -2 for the other short ones. remaining: -1 when the charge is over its
 -- limit. own/total: this replica's count and the key's total in the
 -- charge's demand window (complete: the previous window, or for a fixed
 -- window of a second or less the last one before its block of 5, see
@@ -729,6 +734,10 @@ for _ = 1, ARGV[7] + 0 do
       local n = nc
       local stale = false
       local lost = false
+      -- A short charge of a demand block whose current window carries
+      -- some replica's decisions off Redis (see `own` below): the whole
+      -- request is answered in full, status + 4.
+      local void = false
 
       for i = 1, n do
         local s = ARGV[cs + cstep * (i - 1)]
@@ -814,6 +823,18 @@ for _ = 1, ARGV[7] + 0 do
           -- shares taken from incomplete totals could add up to more than 1.
           if prev == nil then
             own = -2
+            -- A demand window read once per block can gain a replay's
+            -- marks after this replica read it: a replica back from its
+            -- failure replays and announces its episode in the window it
+            -- returns in. So a short charge that finds its current window
+            -- so marked voids the share the caller holds (own -1): every
+            -- replica deciding the key on Redis after the marks falls back
+            -- to 1/N for the rest of the block, as the returning one does,
+            -- rather than keep shares that no longer add up to 1.
+            if ch.short and ch.block > 1 and cur.troubled then
+              own = -1
+              void = true
+            end
           elseif prev.troubled then
             own = -1
           else
@@ -1012,6 +1033,7 @@ for _ = 1, ARGV[7] + 0 do
         status = 0
         if denied then status = 1 end
         if lost then status = status + 2 end
+        if void then status = status + 4 end
         out[nout + 1] = status
         nout = nout + 1
         for i = 1, n do
@@ -1026,18 +1048,26 @@ for _ = 1, ARGV[7] + 0 do
           if denied then delta = 0 end
           local own = r[b + 6]
           local ch = charges[ARGV[cs + cstep * (i - 1)]]
+          -- Short, unless the request is answered in full (void).
+          local short = ch.short and not void
           if ch.short and n == 1 then
             -- A request of one short charge: its remaining alone, in place
-            -- of its status, when admitted as asked with room to spare.
-            if status == 0 and remaining >= 0 and delta == ch.hits then
+            -- of its status, when admitted as asked with room to spare;
+            -- else -2 - status, so -6 and below when answered in full.
+            if void then
+              out[nout] = -2 - status
+            elseif status == 0 and remaining >= 0 and delta == ch.hits then
               out[nout] = remaining
             else
               out[nout], out[nout + 1], out[nout + 2] = -2 - status, remaining, delta
               nout = nout + 2
             end
-          elseif ch.short then
+          elseif short then
             out[nout + 1], out[nout + 2] = remaining, delta
             nout = nout + 2
+          end
+          if short then
+            -- Answered above.
           elseif own < 0 then
             out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = remaining, r[b + 5], own, delta
             nout = nout + 4

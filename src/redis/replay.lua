@@ -86,6 +86,12 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
   local key = base .. '@' .. w
   local life = (w + 1) * unit + margin
   if algo == 2 then life = life + unit end
+  -- A per-second fixed window's demand window (the last of a block of 5,
+  -- see decide.lua's `expiry`) lives, and is replayed, until its block
+  -- ends: decisions read it until then.
+  if algo == 1 and unit <= 1000 and (w + 1) % 5 == 0 then
+    life = math.max(life, (w + 6) * unit)
+  end
   local guard = version
   if kind == 2 then guard = fence end
   local current = tonumber(redis.call('HGET', key, guard)) or 0
@@ -137,13 +143,7 @@ for i = 1, math.floor((#ARGV - 4) / 7) do
         redis.call('HSET', base, fence, epoch)
       end
     end
-    -- A per-second fixed window's demand window (the last of a block of
-    -- 5, see decide.lua's `expiry`) lives until its block ends.
-    local expire = life
-    if algo == 1 and unit <= 1000 and (w + 1) % 5 == 0 then
-      expire = math.max(life, (w + 6) * unit)
-    end
-    redis.call('PEXPIREAT', key, string.format('%d', expire + spread(unit)))
+    redis.call('PEXPIREAT', key, string.format('%d', life + spread(unit)))
     written = written + 1
   end
 end

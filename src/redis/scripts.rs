@@ -85,8 +85,9 @@ pub struct DecideCall<'a> {
 /// it must see them to send a call where its keys are (ASK), or to ask
 /// for a retry (TRYAGAIN) rather than let the script read a window that
 /// has already moved. Near a window boundary the reckoning may be one
-/// window off; only a migration of that very slot in those milliseconds
-/// could then read a moved window.
+/// window off (and the demand window a block off, near a block's);
+/// only a migration of that very slot in those milliseconds could then
+/// read a moved window.
 fn declared_windows(
     base: &str,
     charge: &crate::domain::Charge,
@@ -138,7 +139,7 @@ pub struct DecideArgs {
     /// charge: `<algorithm>,<limit>,<unit_ms>,
     /// <burst>,<hits>,<flags>,<expected window>,<fraction>,<pending>` and
     /// the expected count. hits are clamped to [`MAX_HITS`]; flags: bit 0
-    /// refund, bits 1-2 role, bit 3 demand of the previous window known,
+    /// refund, bits 1-2 role, bit 3 demand of the demand window known,
     /// bit 4 take-back in the expected window, bit 5 may prove itself.
     /// The requests of a batch mostly repeat these strings, so Redis
     /// parses each distinct one once per call; the expected count changes
@@ -159,7 +160,7 @@ pub struct DecideArgs {
 pub enum Answer {
     /// remaining, reset, own, total only when own is 0 or more, delta.
     Full,
-    /// A fixed window whose previous window's demand the caller holds
+    /// A fixed window whose demand window's demand the caller holds
     /// (flag bit 3), not a take-back: remaining and delta only. Its reset
     /// is the time to the end of the current window, of `unit_ms`, on
     /// Redis's time, and no demand was read
@@ -167,7 +168,12 @@ pub enum Answer {
     /// When it is a request's only charge and was admitted as asked
     /// (status 0, delta `hits`) with `remaining` 0 or more, the script
     /// sends its remaining alone; otherwise `-2 - status`, remaining and
-    /// delta (or -1, stale).
+    /// delta (or -1, stale). When its current window carries some
+    /// replica's decisions off Redis and it is in a demand block (see
+    /// [`LimitSpec::demand_window`](crate::limit::LimitSpec::demand_window)),
+    /// the demand share the caller holds is void: the request's status
+    /// gets 4 and every charge of it is answered in full, this one with
+    /// own -1 ([`DEMAND_TROUBLED`](crate::domain::backend::DEMAND_TROUBLED)).
     Short { unit_ms: u64, hits: i64 },
 }
 

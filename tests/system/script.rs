@@ -150,8 +150,10 @@ fn short(c: &Charge) -> Option<u64> {
 /// when own is 0 or more, and delta, or remaining and delta when short;
 /// none when stale (-1). A request of one short charge may be answered by
 /// its remaining alone (admitted as asked), or by `-2 - status`, remaining
-/// and delta: both are read back to `status, remaining, delta` here. The
-/// call's time and token are left out.
+/// and delta: both are read back to `status, remaining, delta` here; with
+/// status + 4 (void), by `-2 - status` then the full form, read back to
+/// `status, remaining, reset, own, [total,] delta` (the status with its 4). The call's time and
+/// token are left out.
 fn replies(flat: &[i64], requests: &[Vec<Option<u64>>]) -> Vec<Vec<i64>> {
     let mut out = Vec::new();
     let mut at = 0;
@@ -162,16 +164,26 @@ fn replies(flat: &[i64], requests: &[Vec<Option<u64>>]) -> Vec<Vec<i64>> {
             match flat[start] {
                 -1 => out.push(vec![-1]),
                 v if v >= 0 => out.push(vec![0, v, *hits as i64]),
-                v => {
+                v if v >= -5 => {
                     out.push(vec![-2 - v, flat[at], flat[at + 1]]);
                     at += 2;
+                }
+                // Void (status + 4): the full form follows.
+                v => {
+                    let n = if flat[at + 2] >= 0 { 5 } else { 4 };
+                    let mut reply = vec![-2 - v];
+                    reply.extend_from_slice(&flat[at..at + n]);
+                    out.push(reply);
+                    at += n;
                 }
             }
             continue;
         }
+        // Void (status + 4): every charge in full.
+        let void = flat[start] >= 4;
         if flat[start] != -1 {
             for s in shorts {
-                if s.is_some() {
+                if s.is_some() && !void {
                     at += 2;
                 } else {
                     let own = flat[at + 2];
@@ -800,17 +812,27 @@ fn a_per_second_fixed_window_takes_its_demand_from_the_window_before_its_block_a
             end + 500
         );
     }
-    let keys: Vec<String> = ["r{a}", "r{b}"].map(str::to_owned).to_vec();
+    // Replayed: the next block's demand window, the next window, and the
+    // demand window of the block now ending, whose end plus the margin
+    // has passed but which decisions read until the block ends (so it is
+    // still replayed).
+    let keys: Vec<String> = ["r{a}", "r{b}", "r{c}"].map(str::to_owned).to_vec();
     let mut args: Vec<String> = ["0", "1", "500", "boot"].map(str::to_owned).to_vec();
-    for window in [w + 5, w + 1] {
+    for window in [w + 5, w + 1, w - 5] {
         args.extend(["1", "1", "1000", &window.to_string(), "1", "100", "100"].map(str::to_owned));
     }
     args.push("9".to_owned());
     let out = evalsha(&redis, &replay, &keys, &args);
     assert_eq!(
         numbers(&out).first(),
-        Some(&2),
-        "both entries written: {out}"
+        Some(&3),
+        "every entry written: {out}"
+    );
+    let end = (w as i64 + 1) * 1000;
+    let at = expire_time(&redis, &format!("r{{c}}@{}", w - 5));
+    assert!(
+        (end..end + 500).contains(&at),
+        "the ending block's demand window expires at {at}, not from {end}"
     );
     let (ref_end, next_end) = ((w as i64 + 11) * 1000, (w as i64 + 2) * 1000 + 500);
     let at = expire_time(&redis, &format!("r{{a}}@{}", w + 5));
@@ -823,4 +845,65 @@ fn a_per_second_fixed_window_takes_its_demand_from_the_window_before_its_block_a
         (next_end..next_end + 500).contains(&at),
         "replayed window expires at {at}, not from {next_end}"
     );
+}
+
+#[test]
+fn a_short_charge_whose_window_has_decisions_off_redis_voids_its_block_share() {
+    // A per-second fixed window's demand share is read once per block
+    // of five windows; a replica back from a failure announces it in the
+    // window it returns in and replays into the demand window. A short
+    // charge (the caller holds the share) that finds its current window
+    // so marked is answered in full with own -1, its request's status
+    // + 4, so that the caller drops the share; an hour's charge (a block
+    // of one window) is not.
+    let dir = test_dir("script-void");
+    let redis = RedisServer::start("redis", &dir);
+    let sha = load(&redis, DECIDE_LUA);
+    let w = second_where(&redis, |_| true);
+    let h = w / 3_600;
+    redis.cli(&["HSET", &format!("v{{a}}@{w}"), "x", "1:e", "0", "3"]);
+    redis.cli(&["HSET", &format!("v{{b}}@{w}"), "0", "2"]);
+    redis.cli(&["HSET", &format!("v{{c}}@{w}"), "x", "1:e"]);
+    redis.cli(&["HSET", &format!("v{{d}}@{h}"), "x", "1:e"]);
+    let second = "1,100,1000,100,1,8,0,0,0";
+    let hour = "1,100,3600000,100,1,8,0,0,0";
+    let keys: Vec<String> = ["v{a}", "v{b}", "v{c}", "v{b}", "v{a}", "v{d}"]
+        .map(str::to_owned)
+        .to_vec();
+    let mut args = call_header(false);
+    args.push("5".to_owned());
+    // One short charge on a marked window; two, the second marked; one on
+    // the clean window; a group of two on the marked one; the hour's.
+    for a in [
+        "1,1,0", second, "-1", "2,2,0", second, "-1", second, "-1", "1,1,0", second, "-1",
+        "1,1,0,2", second, "-1", "1,1,0", hour, "-1",
+    ] {
+        args.push(a.to_owned());
+    }
+    args.push("9".to_owned());
+    let out = evalsha(&redis, &sha, &keys, &args);
+    let flat = numbers(&out);
+    assert!(flat.len() > 2, "script error: {out}");
+    assert_eq!(
+        flat[flat.len() - 2] as u64 / 1000,
+        w,
+        "decided in window {w}: {out}"
+    );
+    let one = || vec![Some(1)];
+    let r = replies(
+        &flat,
+        &[one(), vec![Some(1), Some(1)], one(), one(), one(), one()],
+    );
+    let reset = r[0][2];
+    assert_eq!(r[0], [4, 96, reset, -1, 1], "marked: {out}");
+    assert_eq!(
+        r[1],
+        [4, 97, reset, -2, 1, 99, reset, -1, 1],
+        "one of two marked: {out}"
+    );
+    assert_eq!(r[2], [0, 96, 1], "clean: {out}");
+    assert_eq!(r[3], [4, 95, reset, -1, 1], "group, first: {out}");
+    assert_eq!(r[4], [4, 94, reset, -1, 1], "group, second: {out}");
+    assert_eq!(r[5], [0, 99, 1], "an hour's block is one window: {out}");
+    assert_eq!(hash(&redis, &format!("v{{a}}@{w}")), ["0=6", "x=1:e"]);
 }

@@ -18,7 +18,7 @@ pub struct CallInputs {
     /// Nothing pending, not suspect, and the window's last replay not in
     /// doubt: the replica may prove itself.
     pub settled: bool,
-    /// The demand share of the previous window is known already.
+    /// The demand share of the demand window is known already.
     pub demand_known: bool,
 }
 
@@ -56,8 +56,8 @@ impl Ledger {
         (i.expected, i.pending, i.settled)
     }
 
-    /// [`Self::expected_and_pending`], and whether the demand share of the
-    /// window before `window` is known already (the script need not read
+    /// [`Self::expected_and_pending`], and whether the demand share of
+    /// `window`'s demand window is known already (the script need not read
     /// that window again), under one lock.
     #[cfg(test)]
     pub fn call_inputs(&self, key: &CounterKey, window: u64) -> CallInputs {

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::domain::backend::{RawItem, ReplayEntry, DEMAND_NOT_READ};
+use crate::domain::backend::{RawItem, ReplayEntry, DEMAND_NOT_READ, DEMAND_TROUBLED};
 use crate::key::CounterKey;
 use crate::limit::{Algorithm, LimitSpec};
 
@@ -213,6 +213,13 @@ pub fn window_live(spec: &LimitSpec, window: u64, now_ms: u64, margin_ms: u64) -
     let mut end = (window + 1) * unit + margin_ms;
     if spec.algorithm == Algorithm::SlidingWindow {
         end += unit;
+    }
+    // A demand window is kept until its block ends, whatever the margin
+    // (decide.lua), and read until then: what was granted in it off Redis
+    // is replayed as long as it is read.
+    let block = spec.demand_block();
+    if block > 1 && (window + 1) % block == 0 {
+        end = end.max((window + 1 + block) * unit);
     }
     end > now_ms
 }
@@ -451,13 +458,18 @@ impl Ledger {
                 if item.own >= 0 && item.total > 0 {
                     let d = (item.own.min(item.total) as f64) / (item.total as f64);
                     e.demand = Some((Some(d), read));
-                } else if item.own != DEMAND_NOT_READ && e.demand.is_none_or(|(_, w)| w != read) {
+                } else if item.own == DEMAND_TROUBLED
+                    || (item.own != DEMAND_NOT_READ && e.demand.is_none_or(|(_, w)| w != read))
+                {
                     // Read, and no share in it: reading it again in this
                     // window (or block) would find none either (a complete
                     // window only gains the marks of decisions off Redis,
                     // or expires), so later calls skip the read. Before,
                     // every call on a key idle in the previous window read
-                    // it again.
+                    // it again. Troubled voids a share read before: a
+                    // replay's marks landed since (or, in a demand block,
+                    // the current window has them, see decide.lua), and the
+                    // replicas that read the window now find none.
                     e.demand = Some((None, read));
                 }
             }

@@ -159,6 +159,14 @@ fn dead_windows_are_not_replayed_and_are_swept() {
     assert!(plan.is_empty());
     l.sweep(5_500, 1_000);
     assert!(l.is_empty());
+    // Window 4 is a demand window (windows 5-9 read it): it lives, and is
+    // replayed, until its block ends at 10_000, past its end + margin.
+    let (k, s) = key("e");
+    l.record_local(&k, &s, 4, 0, 2);
+    let (plan, _) = l.replay_plan(0, 9_900, 0, 1_000);
+    assert_eq!(plan.len(), 1, "replayed while read");
+    let (plan, _) = l.replay_plan(0, 10_000, 0, 1_000);
+    assert!(plan.is_empty());
 }
 
 #[test]
@@ -318,10 +326,21 @@ fn the_demand_windows_demand_is_known_once_a_reply_in_its_block_brought_it() {
     l.record_redis(&k, &s, 15_100, 1_000, &item(1, 99, DEMAND_TROUBLED, 0));
     assert!(l.call_inputs(&k, 15).demand_known);
     assert_eq!(l.lease_inputs(&k, &s, 15_200).0, None);
-    // A share once read is not undone by a later reply without one.
+    // A share once read is not undone by a later reply that did not read
+    // the window, nor by one that found it empty (it expired)...
     l.record_redis(&k, &s, 20_100, 1_000, &item(1, 90, 10, 40));
+    l.record_redis(&k, &s, 21_200, 1_000, &item(1, 89, DEMAND_NOT_READ, 0));
+    l.record_redis(&k, &s, 22_200, 1_000, &item(1, 89, 0, 0));
+    assert_eq!(l.lease_inputs(&k, &s, 22_300).0, Some(0.25));
+    // ...but one that finds the block troubled voids it (a replica back
+    // from its failure marked the current window, and replays into the
+    // demand window): the replicas that read it now find none either.
     l.record_redis(&k, &s, 23_200, 1_000, &item(1, 89, DEMAND_TROUBLED, 0));
-    assert_eq!(l.lease_inputs(&k, &s, 23_300).0, Some(0.25));
+    assert_eq!(l.lease_inputs(&k, &s, 23_300).0, None);
+    assert!(
+        l.call_inputs(&k, 24).demand_known,
+        "no read again in the block"
+    );
 }
 
 #[test]
