@@ -1066,15 +1066,15 @@ for _ = 1, ARGV[7] + 0 do
             out[nout + 1], out[nout + 2] = remaining, delta
             nout = nout + 2
           end
-          if short then
-            -- Answered above.
-          elseif own < 0 then
-            out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = remaining, r[b + 5], own, delta
-            nout = nout + 4
-          else
-            out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], own
-            out[nout + 4], out[nout + 5] = r[b + 7], delta
-            nout = nout + 5
+          if not short then
+            if own < 0 then
+              out[nout + 1], out[nout + 2], out[nout + 3], out[nout + 4] = remaining, r[b + 5], own, delta
+              nout = nout + 4
+            else
+              out[nout + 1], out[nout + 2], out[nout + 3] = remaining, r[b + 5], own
+              out[nout + 4], out[nout + 5] = r[b + 7], delta
+              nout = nout + 5
+            end
           end
         end
       end

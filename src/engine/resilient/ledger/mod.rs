@@ -125,11 +125,12 @@ struct Entry {
 
 impl Entry {
     /// The demand share, only when it describes the demand window
-    /// ([`LimitSpec::demand_window`]) of the one this replica last heard about: the
-    /// replicas' shares add up to 1 only if they all come from one window. A window in which some
-    /// replica decided off Redis reports no demand (`decide.lua`), so a
-    /// replica that heard from Redis after one has none, rather than an
-    /// older one its peers may no longer share; it leases `1/N`.
+    /// ([`LimitSpec::demand_window`]) of the one this replica last heard
+    /// about: the replicas' shares add up to 1 only if they all come from
+    /// one window. A window in which some replica decided off Redis
+    /// reports no demand (`decide.lua`), so a replica that heard from
+    /// Redis after one has none, rather than an older one its peers may no
+    /// longer share; it leases `1/N`.
     fn demand_share(&self) -> Option<f64> {
         self.demand
             .filter(|(_, w)| *w == self.spec.demand_window(self.reply_window))
